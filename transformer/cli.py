@@ -1,0 +1,167 @@
+"""Command line: ``wds-transform serve | apply | make-shards | preview | settings``.
+
+``serve`` is the pod's entry point (the Dockerfile and the AIS runtime spec run it); the other
+commands use the same engine on local files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from .errors import TransformerError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="wds-transform", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the AIS ETL transformer service (the pod's entry point)")
+    serve.add_argument("--host", help="listen address (default: ETL_HOST or 0.0.0.0)")
+    serve.add_argument("--port", type=int, help="listen port (default: ETL_PORT or 8000)")
+
+    apply = commands.add_parser("apply", help="transform local shards with the service's engine")
+    apply.add_argument("inputs", nargs="+", type=Path, help="input shard(s); with several, OUT is a folder")
+    apply.add_argument("output", type=Path, help="output shard, or folder for several inputs")
+    apply.add_argument("--etl-args", default="", help="JSON object, exactly as etl_args over AIS")
+
+    make = commands.add_parser("make-shards", help="write the embedded demo dataset as WebDataset shards")
+    make.add_argument("output", type=Path, help="folder for the shards")
+    make.add_argument("--shards", type=int, default=2, help="number of shards (default 2)")
+    make.add_argument("--samples", type=int, default=100, help="samples per shard (default 100)")
+    make.add_argument("--seed", type=int, default=0, help="seed of the image variations (default 0)")
+
+    preview = commands.add_parser("preview", help="draw a grid of transformed samples of a shard")
+    preview.add_argument("shard", type=Path, help="a transformed (.npy) or raw shard")
+    preview.add_argument("-o", "--output", type=Path, default=Path("preview.png"), help="PNG to write")
+    preview.add_argument("--count", type=int, default=16, help="samples to draw (default 16)")
+    preview.add_argument("--etl-args", default="", help="transform a raw shard with these etl_args first")
+
+    settings = commands.add_parser("settings", help="print the effective settings, or the README table")
+    settings.add_argument("--markdown", action="store_true", help="print the settings table as markdown")
+
+    args = parser.parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except TransformerError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .config import Settings
+
+    settings = Settings.from_env()  # fail fast, before binding the port, on a bad setting
+    uvicorn.run(
+        "transformer.server:app",
+        host=args.host or settings.host,
+        port=args.port or settings.port,
+        # Above the AIS target's 6 s idle timeout, so the target never reuses a connection we closed
+        # (AIS does not retry a PUT that failed with EOF; contract doc section 2.1).
+        timeout_keep_alive=settings.keepalive,
+        ws_max_size=16 * 2**30,  # AIS reads up to 16 GiB per message; a shard is one message
+        ws_ping_interval=None,  # the target never answers pings' purpose; AIS itself sends none
+        ws_ping_timeout=None,
+        log_level=settings.log_level,
+        access_log=settings.log_level == "debug",
+        timeout_graceful_shutdown=int(settings.obj_timeout),
+    )
+    return 0
+
+
+def _apply(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from .config import Settings
+    from .engine import ShardReport, TransformPool, transform_shard
+    from .options import parse_etl_args
+
+    settings = Settings.from_env()
+    options = parse_etl_args(args.etl_args, settings)
+    several = len(args.inputs) > 1
+    if several:
+        args.output.mkdir(parents=True, exist_ok=True)
+    pool = TransformPool(settings.workers, settings.max_inflight)
+    failed = 0
+    try:
+        for source in args.inputs:
+            target = args.output / source.name if several else args.output
+            report = ShardReport(str(source), source.name, options.on_error)
+            partial = target.with_name(target.name + ".partial")
+            with open(source, "rb") as stream, open(partial, "wb") as out, tqdm(
+                total=os.path.getsize(source), unit="B", unit_scale=True, desc=source.name
+            ) as bar:
+                counted = _CountingReader(stream, bar)
+                try:
+                    for chunk in transform_shard(
+                        counted, options, pool, shard=str(source), object_name=source.name,
+                        window=settings.window, report=report,
+                    ):
+                        out.write(chunk)
+                except TransformerError as exc:
+                    print(f"error: {exc.message}", file=sys.stderr)
+                    failed += 1
+                    continue
+            os.replace(partial, target)  # never leave a truncated shard under the final name
+            dropped = len(report.errors)
+            print(f"{target}: {report.samples_out} samples ({report.images} images) of {report.samples_in}"
+                  + (f", {dropped} with errors (see __etl__/errors.json)" if dropped else ""))
+    finally:
+        pool.shutdown()
+    return 1 if failed else 0
+
+
+class _CountingReader:
+    """A read-through file wrapper that advances a progress bar by the bytes read."""
+
+    def __init__(self, stream, bar):
+        self._stream, self._bar = stream, bar
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._stream.read(size)
+        self._bar.update(len(data))
+        return data
+
+
+def _make_shards(args: argparse.Namespace) -> int:
+    from .demo import make_shards
+
+    for path in make_shards(args.output, shards=args.shards, samples=args.samples, seed=args.seed):
+        print(path)
+    return 0
+
+
+def _preview(args: argparse.Namespace) -> int:
+    from .preview import render_preview
+
+    render_preview(args.shard, args.output, count=args.count, etl_args=args.etl_args)
+    print(args.output)
+    return 0
+
+
+def _settings(args: argparse.Namespace) -> int:
+    from .config import Settings, settings_table
+
+    if args.markdown:
+        print(settings_table())
+        return 0
+    for name, value in vars(Settings.from_env()).items():
+        if name != "env":
+            print(f"{name} = {value!r}")
+    return 0
+
+
+_COMMANDS = {
+    "serve": _serve,
+    "apply": _apply,
+    "make-shards": _make_shards,
+    "preview": _preview,
+    "settings": _settings,
+}
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""Service settings, read from the environment in one place and validated at start-up.
+
+Every variable, its default and its meaning is listed in ``VARIABLES`` (the README table is generated
+from it: ``wds-transform settings --markdown``). AIS itself sets ``AIS_TARGET_URL`` and ``direct_put``
+in the pod (contract doc section 3); everything else is ours.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from .errors import ConfigError, OptionsError
+
+DTYPES = ("float32", "float16", "uint8")
+LAYOUTS = ("CHW", "HWC")
+ERROR_POLICIES = ("skip", "fail", "passthrough")
+
+# name -> (default, description). The single source of truth for the README's settings table.
+VARIABLES: dict[str, tuple[str, str]] = {
+    "ETL_PRESET": ("imagenet-train", "Default preset when etl_args names none: imagenet-train, imagenet-val, resize-224."),
+    "ETL_TRANSFORMS": ("", "Default transform spec (JSON or YAML list of steps); overrides ETL_PRESET."),
+    "ETL_DTYPE": ("float32", "Default output dtype: float32, float16, or uint8 (not normalized)."),
+    "ETL_LAYOUT": ("CHW", "Default output layout of image arrays: CHW or HWC."),
+    "ETL_ON_ERROR": ("skip", "Default per-sample error policy: skip, fail, or passthrough."),
+    "ETL_SEED": ("", "Default augmentation seed; empty means fresh randomness per request."),
+    "ETL_IMAGE_EXTS": ("jpg,jpeg,png,webp", "Member extensions (last suffix) decoded as images."),
+    "ETL_MASK_EXTS": ("trimap.png,mask.png,seg.png", "Full member extensions treated as masks."),
+    "ETL_WORKERS": ("", "Transform threads; empty = the CPUs this container may use (cgroup aware)."),
+    "ETL_WINDOW": ("", "Samples in flight per shard; empty = 2 x workers + 2."),
+    "ETL_MAX_INFLIGHT": ("", "Samples in flight across all shards; empty = 4 x workers + 4."),
+    "ETL_OBJ_TIMEOUT": ("300s", "Time budget per object, same as the ETL's obj_timeout (Go duration or seconds)."),
+    "ETL_MAX_MEMBER_BYTES": ("268435456", "Largest tar member accepted (bytes); larger fails the shard."),
+    "ETL_MAX_IMAGE_PIXELS": ("100000000", "Largest decoded image (width x height); larger is a sample error."),
+    "ETL_FQN_ROOTS": ("", "Comma-separated roots etl_fqn must lie under; empty = any AIS mountpath."),
+    "ETL_ERROR_MANIFEST": ("true", "Append __errors__.json to output shards that lost or kept-as-is samples."),
+    "ETL_KEEPALIVE": ("75", "HTTP keep-alive seconds; must exceed the target's 6 s idle timeout."),
+    "ETL_HOST": ("0.0.0.0", "Listen address (AIS requires 0.0.0.0)."),
+    "ETL_PORT": ("8000", "Listen port (AIS requires 8000)."),
+    "ETL_LOG_LEVEL": ("info", "Log level: debug, info, warning, error."),
+    "AIS_TARGET_URL": ("", "Set by AIS: the target's ETL object endpoint (hpull fetch, direct put)."),
+}
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+
+
+def parse_duration(text: str, name: str) -> float:
+    """Seconds from a Go duration ('45s', '5m', '1m30s', '500ms') or a plain number of seconds."""
+    text = text.strip()
+    try:
+        value = float(text)
+    except ValueError:
+        parts = _DURATION.findall(text)
+        if not parts or "".join(n + u for n, u in parts) != text:
+            raise ConfigError(name, f"'{text}' is not a duration like 45s, 5m or 1m30s") from None
+        scale = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+        value = sum(float(n) * scale[u] for n, u in parts)
+    if value <= 0:
+        raise ConfigError(name, "must be positive")
+    return value
+
+
+def available_cpus() -> int:
+    """CPUs this process may use: the affinity mask, capped by a cgroup v2 CPU quota (K8s limits)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()
+        if quota != "max":
+            cpus = min(cpus, max(1, int(-(-int(quota) // int(period)))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cpus)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Validated service settings. Build with ``Settings.from_env()``."""
+
+    preset: str = "imagenet-train"
+    transforms: object = None  # parsed default spec, or None to use ``preset``
+    dtype: str = "float32"
+    layout: str = "CHW"
+    on_error: str = "skip"
+    seed: int | None = None
+    image_exts: frozenset[str] = frozenset({"jpg", "jpeg", "png", "webp"})
+    mask_exts: frozenset[str] = frozenset({"trimap.png", "mask.png", "seg.png"})
+    workers: int = 1
+    window: int = 4
+    max_inflight: int = 8
+    obj_timeout: float = 300.0
+    max_member_bytes: int = 256 * 2**20
+    max_image_pixels: int = 100_000_000
+    fqn_roots: tuple[str, ...] = ()
+    error_manifest: bool = True
+    keepalive: int = 75
+    host: str = "0.0.0.0"
+    port: int = 8000
+    log_level: str = "info"
+    ais_target_url: str = ""
+    env: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        env = dict(os.environ if environ is None else environ)
+
+        def get(name: str) -> str:
+            return env.get(name, VARIABLES[name][0]).strip()
+
+        def integer(name: str, minimum: int, default: int | None = None) -> int:
+            raw = get(name)
+            if raw == "" and default is not None:
+                return default
+            try:
+                value = int(raw)
+            except ValueError:
+                raise ConfigError(name, f"'{raw}' is not an integer") from None
+            if value < minimum:
+                raise ConfigError(name, f"must be at least {minimum}")
+            return value
+
+        def choice(name: str, allowed: tuple[str, ...]) -> str:
+            raw = get(name)
+            if raw not in allowed:
+                raise ConfigError(name, f"'{raw}' is not one of {', '.join(allowed)}")
+            return raw
+
+        from .spec import build_pipeline, parse_spec_text  # torch import only when settings are built
+
+        preset = get("ETL_PRESET")
+        transforms = None
+        try:
+            build_pipeline(preset, "ETL_PRESET")
+            if get("ETL_TRANSFORMS"):
+                transforms = parse_spec_text(get("ETL_TRANSFORMS"), "ETL_TRANSFORMS")
+                build_pipeline(transforms, "ETL_TRANSFORMS")
+        except OptionsError as exc:
+            raise ConfigError(exc.field, exc.reason) from None
+
+        seed_text = get("ETL_SEED")
+        seed = integer("ETL_SEED", -(2**63)) if seed_text else None
+        workers = integer("ETL_WORKERS", 1, default=available_cpus())
+        image_exts = frozenset(e.strip().lower().lstrip(".") for e in get("ETL_IMAGE_EXTS").split(",") if e.strip())
+        if not image_exts:
+            raise ConfigError("ETL_IMAGE_EXTS", "needs at least one extension")
+        mask_exts = frozenset(e.strip().lower().lstrip(".") for e in get("ETL_MASK_EXTS").split(",") if e.strip())
+        for ext in mask_exts:
+            if ext.rsplit(".", 1)[-1] not in image_exts:
+                raise ConfigError("ETL_MASK_EXTS", f"'{ext}' does not end in an image extension of ETL_IMAGE_EXTS")
+        manifest = get("ETL_ERROR_MANIFEST").lower()
+        if manifest not in ("true", "false", "1", "0", "yes", "no"):
+            raise ConfigError("ETL_ERROR_MANIFEST", "must be true or false")
+        keepalive = integer("ETL_KEEPALIVE", 1)
+        if keepalive <= 6:
+            raise ConfigError("ETL_KEEPALIVE", "must exceed the AIS target's 6 s idle timeout (stale-connection race)")
+        level = get("ETL_LOG_LEVEL").lower()
+        if level not in ("debug", "info", "warning", "error"):
+            raise ConfigError("ETL_LOG_LEVEL", f"'{level}' is not debug, info, warning or error")
+        roots = tuple(os.path.realpath(r.strip()) for r in get("ETL_FQN_ROOTS").split(",") if r.strip())
+        return cls(
+            preset=preset,
+            transforms=transforms,
+            dtype=choice("ETL_DTYPE", DTYPES),
+            layout=choice("ETL_LAYOUT", LAYOUTS),
+            on_error=choice("ETL_ON_ERROR", ERROR_POLICIES),
+            seed=seed,
+            image_exts=image_exts,
+            mask_exts=mask_exts,
+            workers=workers,
+            window=integer("ETL_WINDOW", 1, default=2 * workers + 2),
+            max_inflight=integer("ETL_MAX_INFLIGHT", 1, default=4 * workers + 4),
+            obj_timeout=parse_duration(get("ETL_OBJ_TIMEOUT"), "ETL_OBJ_TIMEOUT"),
+            max_member_bytes=integer("ETL_MAX_MEMBER_BYTES", 1),
+            max_image_pixels=integer("ETL_MAX_IMAGE_PIXELS", 1),
+            fqn_roots=roots,
+            error_manifest=manifest in ("true", "1", "yes"),
+            keepalive=keepalive,
+            host=get("ETL_HOST"),
+            port=integer("ETL_PORT", 1),
+            log_level=level,
+            ais_target_url=get("AIS_TARGET_URL").rstrip("/"),
+            env=env,
+        )
+
+
+def settings_table() -> str:
+    """The README's settings table, generated from ``VARIABLES``."""
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    for name, (default, meaning) in VARIABLES.items():
+        rows.append(f"| `{name}` | `{default}` | {meaning} |" if default else f"| `{name}` | | {meaning} |")
+    return "\n".join(rows)

@@ -1,0 +1,85 @@
+"""Every exception the transformer raises on purpose, in one place.
+
+Each error names what a user needs to act on it: the shard, the sample key, the member and the
+reason. ``status`` is the HTTP status the server answers with; AIS surfaces it to the caller as
+``ETL error: <message>`` (contract doc section 2.1).
+"""
+
+from __future__ import annotations
+
+
+class TransformerError(Exception):
+    """Base class; ``status`` is the HTTP status that best describes the failure."""
+
+    status = 500
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class ConfigError(TransformerError):
+    """A service setting (environment variable) is invalid; raised at start-up."""
+
+    def __init__(self, variable: str, reason: str):
+        super().__init__(f"invalid setting {variable}: {reason}")
+        self.variable = variable
+        self.reason = reason
+
+
+class OptionsError(TransformerError):
+    """A per-request option (``etl_args`` or a transform spec) is invalid."""
+
+    status = 400
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"invalid etl_args field '{field}': {reason}")
+        self.field = field
+        self.reason = reason
+
+
+class SampleError(TransformerError):
+    """One sample could not be transformed; the error policy decides what happens next."""
+
+    status = 422
+
+    def __init__(self, shard: str, key: str, member: str, reason: str):
+        super().__init__(f"shard '{shard}': sample '{key}' (member '{member}'): {reason}")
+        self.shard = shard
+        self.key = key
+        self.member = member
+        self.reason = reason
+
+
+class ShardError(TransformerError):
+    """The shard itself is unreadable (not a tar, truncated, a member over the size limit)."""
+
+    status = 422
+
+    def __init__(self, shard: str, reason: str):
+        super().__init__(f"shard '{shard}': {reason}")
+        self.shard = shard
+        self.reason = reason
+
+
+class RequestError(TransformerError):
+    """The request is malformed (bad header, missing input); ``status`` is set per case."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+class UpstreamError(TransformerError):
+    """An outbound call (hpull fetch, direct put, next pipeline stage) failed."""
+
+    def __init__(self, message: str, status: int = 502, body: bytes = b""):
+        super().__init__(message)
+        self.status = status
+        self.body = body
+
+
+class Cancelled(TransformerError):
+    """The caller went away; the work stops and nothing is reported to anyone."""
+
+    status = 499

@@ -1,0 +1,101 @@
+"""Per-request options: ``etl_args`` (a JSON object) over the service defaults.
+
+Fields: ``preset`` or ``transforms`` (a spec), ``dtype``, ``layout``, ``seed``, ``epoch``,
+``on_error``. Unknown fields are refused rather than ignored, so a typo never silently falls back to
+a default. Every error names the field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from .config import DTYPES, ERROR_POLICIES, LAYOUTS, Settings
+from .errors import OptionsError
+from .spec import Pipeline, build_pipeline, parse_spec_text
+
+FIELDS = ("preset", "transforms", "dtype", "layout", "seed", "epoch", "on_error")
+
+
+@dataclass(frozen=True)
+class TransformOptions:
+    """Everything the engine needs to know about one request."""
+
+    pipeline: Pipeline
+    dtype: str
+    layout: str
+    on_error: str
+    seed: int  # always concrete: a random one when the caller gave none
+    seeded: bool  # whether ``seed`` came from the caller (reproducible) or was drawn
+    epoch: int
+    image_exts: frozenset[str]
+    mask_exts: frozenset[str]
+    max_member_bytes: int
+    max_image_pixels: int
+    error_manifest: bool
+
+
+def parse_etl_args(raw: str | None, settings: Settings) -> TransformOptions:
+    """Parse the ``etl_args`` string (may be empty) into options; raise ``OptionsError`` on bad input."""
+    args: dict[str, Any] = {}
+    if raw is not None and raw.strip():
+        try:
+            args = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise OptionsError("etl_args", f"not valid JSON: {exc.msg} at position {exc.pos}") from None
+        if not isinstance(args, dict):
+            raise OptionsError("etl_args", f"must be a JSON object, got {type(args).__name__}")
+    return options_from_mapping(args, settings)
+
+
+def options_from_mapping(args: dict[str, Any], settings: Settings) -> TransformOptions:
+    unknown = sorted(set(args) - set(FIELDS))
+    if unknown:
+        raise OptionsError(unknown[0], f"unknown field; known fields are {', '.join(FIELDS)}")
+    if "preset" in args and "transforms" in args:
+        raise OptionsError("transforms", "give either 'preset' or 'transforms', not both")
+
+    if "transforms" in args:
+        spec = args["transforms"]
+        if isinstance(spec, str):
+            spec = parse_spec_text(spec, "transforms")
+        pipeline = build_pipeline(spec, "transforms")
+    elif "preset" in args:
+        if not isinstance(args["preset"], str):
+            raise OptionsError("preset", "must be a string")
+        pipeline = build_pipeline(args["preset"], "preset")
+    elif settings.transforms is not None:
+        pipeline = build_pipeline(settings.transforms, "ETL_TRANSFORMS")
+    else:
+        pipeline = build_pipeline(settings.preset, "ETL_PRESET")
+
+    seed_value = args.get("seed", settings.seed)
+    if seed_value is not None and (not isinstance(seed_value, int) or isinstance(seed_value, bool)):
+        raise OptionsError("seed", "must be an integer")
+    epoch = args.get("epoch", 0)
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+        raise OptionsError("epoch", "must be a non-negative integer")
+
+    return TransformOptions(
+        pipeline=pipeline,
+        dtype=_choice(args, "dtype", DTYPES, settings.dtype),
+        layout=_choice(args, "layout", LAYOUTS, settings.layout),
+        on_error=_choice(args, "on_error", ERROR_POLICIES, settings.on_error),
+        seed=seed_value if seed_value is not None else int.from_bytes(os.urandom(8), "little"),
+        seeded=seed_value is not None,
+        epoch=epoch,
+        image_exts=settings.image_exts,
+        mask_exts=settings.mask_exts,
+        max_member_bytes=settings.max_member_bytes,
+        max_image_pixels=settings.max_image_pixels,
+        error_manifest=settings.error_manifest,
+    )
+
+
+def _choice(args: dict[str, Any], name: str, allowed: tuple[str, ...], default: str) -> str:
+    value = args.get(name, default)
+    if value not in allowed:
+        raise OptionsError(name, f"{value!r} is not one of {', '.join(allowed)}")
+    return value

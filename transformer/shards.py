@@ -1,0 +1,102 @@
+"""Streaming tar in -> samples; members -> streaming tar out. No HTTP and no torch here.
+
+Reading uses the standard library's ``tarfile`` in stream mode (``r|*``: never seeks, handles gzip),
+so the input can be a request body, a local file or an upstream HTTP stream. Samples are grouped by
+webdataset's own key rule (``base_plus_ext``: the key ends at the first dot of the basename), imported
+rather than re-implemented so our grouping can never disagree with the readers'. The grouping loop
+itself is ours because webdataset's ``group_by_keys`` drops the tar headers (mode, mtime, owner) and
+raises on the first duplicate instead of letting the error policy decide.
+"""
+
+from __future__ import annotations
+
+import tarfile
+from collections.abc import Iterable, Iterator
+from typing import BinaryIO
+
+from webdataset.tariterators import base_plus_ext
+
+from .errors import Cancelled, ShardError
+from .samples import Member, Sample
+
+BLOCK = tarfile.BLOCKSIZE
+END_OF_ARCHIVE = b"\0" * (2 * BLOCK)
+
+
+def read_samples(stream: BinaryIO, shard: str, max_member_bytes: int) -> Iterator[Sample]:
+    """Yield the shard's samples in order; ``ShardError`` if the stream is not a complete tar."""
+    try:
+        archive = tarfile.open(fileobj=stream, mode="r|*", errorlevel=2)
+    except Cancelled:
+        raise
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise ShardError(shard, f"not a tar archive ({_reason(exc)})") from None
+    current: Sample | None = None
+    try:
+        for info in _members(archive, shard):
+            if info.isfile():
+                if info.size > max_member_bytes:
+                    raise ShardError(
+                        shard,
+                        f"member '{info.name}' is {info.size} bytes, over the limit of {max_member_bytes} "
+                        "(ETL_MAX_MEMBER_BYTES)",
+                    )
+                try:
+                    data = archive.extractfile(info).read()
+                except Cancelled:
+                    raise
+                except (tarfile.TarError, EOFError, OSError) as exc:
+                    raise ShardError(shard, f"truncated inside member '{info.name}' ({_reason(exc)})") from None
+                if len(data) != info.size:
+                    raise ShardError(shard, f"truncated inside member '{info.name}'")
+                key, extension = base_plus_ext(info.name)
+                if key is None:  # no dot in the basename: a member of its own, passed through
+                    key, extension = info.name, None
+            else:  # directories, links: passed through as their own group
+                key, extension, data = info.name, None, b""
+            member = Member(info=info, pieces=[data] if data else [])
+            if current is not None and key == current.key and extension is not None:
+                current.members.append(member)
+                current.extensions.append(extension)
+                continue
+            if current is not None:
+                yield current
+            current = Sample(key=key, members=[member], extensions=[extension])
+    finally:
+        archive.close()
+    if current is not None:
+        yield current
+
+
+def _members(archive: tarfile.TarFile, shard: str) -> Iterator[tarfile.TarInfo]:
+    while True:
+        try:
+            info = archive.next()
+        except Cancelled:
+            raise
+        except (tarfile.TarError, EOFError, OSError) as exc:
+            raise ShardError(shard, f"corrupt or truncated tar ({_reason(exc)})") from None
+        if info is None:
+            return
+        yield info
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc) or exc.__class__.__name__
+    return text if len(text) < 200 else text[:200] + "..."
+
+
+def member_bytes(member: Member) -> Iterable[bytes | memoryview]:
+    """A member as tar blocks: header, payload pieces, zero padding to the block size."""
+    info = member.info
+    yield info.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8", errors="surrogateescape")
+    yield from member.pieces
+    remainder = info.size % BLOCK
+    if remainder:
+        yield b"\0" * (BLOCK - remainder)
+
+
+def json_member(name: str, payload: bytes, mtime: float) -> Member:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = len(payload), int(mtime), 0o644
+    return Member(info=info, pieces=[payload])

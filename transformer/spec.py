@@ -1,0 +1,217 @@
+"""Transform specs and presets -> a torchvision ``transforms.v2`` pipeline.
+
+A spec is either a preset name or a list of steps. A step is a transform name from ``ALLOWED``
+with its keyword arguments, written ``{"Resize": {"size": 256}}``, ``{"name": "Resize", "size": 256}``
+or just ``"RandomHorizontalFlip"``. Nothing is imported or evaluated by name: the allow-list is the
+only way in. ``Normalize``, if present, must be the last step; it is applied at encode time so that
+``dtype=uint8`` can skip it (normalize on the GPU instead).
+
+Randomness is decided apart from the work (as torchvision's own ``make_params``/``transform`` split):
+the parameters of each step are drawn under a short lock from a generator seeded per sample and step,
+and the pixel work runs outside the lock. Samples transformed concurrently on a thread pool therefore
+get exactly the draws they would get alone, which is what makes ``seed``/``epoch`` reproducible.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import yaml
+from torchvision.transforms import InterpolationMode, v2
+from torchvision.transforms.v2._transform import _RandomApplyTransform
+
+from .errors import OptionsError
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+# Per-sample image transforms that make sense before .npy encoding. Tensor-dtype conversions are
+# not here on purpose: the output dtype is an option of its own (``dtype``).
+ALLOWED: dict[str, type[v2.Transform]] = {
+    cls.__name__: cls
+    for cls in (
+        v2.Resize,
+        v2.CenterCrop,
+        v2.RandomCrop,
+        v2.RandomResizedCrop,
+        v2.RandomHorizontalFlip,
+        v2.RandomVerticalFlip,
+        v2.Pad,
+        v2.RandomRotation,
+        v2.RandomAffine,
+        v2.RandomPerspective,
+        v2.ColorJitter,
+        v2.RandomGrayscale,
+        v2.Grayscale,
+        v2.GaussianBlur,
+        v2.RandomAutocontrast,
+        v2.RandomEqualize,
+        v2.RandomAdjustSharpness,
+        v2.RandomInvert,
+        v2.RandomPosterize,
+        v2.RandomSolarize,
+        v2.Normalize,
+    )
+}
+
+PRESETS: dict[str, list[Any]] = {
+    "imagenet-train": [
+        {"RandomResizedCrop": {"size": 224, "antialias": True}},
+        {"RandomHorizontalFlip": {"p": 0.5}},
+        {"Normalize": {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)}},
+    ],
+    "imagenet-val": [
+        {"Resize": {"size": 256, "antialias": True}},
+        {"CenterCrop": {"size": 224}},
+        {"Normalize": {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)}},
+    ],
+    "resize-224": [
+        {"Resize": {"size": [224, 224], "antialias": True}},
+        {"Normalize": {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)}},
+    ],
+}
+DEFAULT_PRESET = "imagenet-train"
+
+_INTERPOLATIONS = {mode.value: mode for mode in InterpolationMode}
+
+# torch's default CPU generator is process-global; holding this lock while seeding it and drawing
+# one step's parameters is what keeps concurrent samples independent (microseconds per step).
+_RNG_LOCK = threading.Lock()
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A validated, built transform pipeline; safe to share between threads."""
+
+    name: str
+    steps: tuple[tuple[str, str], ...]  # (transform name, canonical JSON kwargs)
+    transforms: tuple[v2.Transform, ...]
+    normalize: tuple[tuple[float, ...], tuple[float, ...]] | None
+
+    def describe(self) -> list[dict[str, Any]]:
+        """The canonical spec, as JSON-able data (used in logs and the error manifest)."""
+        return [{name: json.loads(kwargs)} for name, kwargs in self.steps]
+
+    def apply(self, inputs: list[Any], seed: int) -> list[Any]:
+        """Run every step jointly over a sample's tv_tensors (images and masks share each draw)."""
+        flat = list(inputs)
+        for index, transform in enumerate(self.transforms):
+            with _RNG_LOCK:
+                torch.default_generator.manual_seed((seed + index * _GOLDEN) & (2**63 - 1))
+                decision = _decide(transform, flat)
+            if decision is not None:
+                needs, params = decision
+                flat = [transform.transform(x, params) if need else x for x, need in zip(flat, needs)]
+        return flat
+
+
+def _decide(transform: v2.Transform, flat: list[Any]) -> tuple[list[bool], dict[str, Any]] | None:
+    """The random half of ``Transform.forward``: whether to apply, and with which parameters.
+
+    Mirrors torchvision's ``Transform.forward`` / ``_RandomApplyTransform.forward`` step for step;
+    ``tests/test_spec.py`` checks it against calling the transform directly with the same seed.
+    """
+    transform.check_inputs(flat)
+    if isinstance(transform, _RandomApplyTransform) and torch.rand(1) >= transform.p:
+        return None
+    needs = transform._needs_transform_list(flat)
+    return needs, transform.make_params([x for x, need in zip(flat, needs) if need])
+
+
+def sample_seed(seed: int | None, epoch: int, object_name: str, key: str) -> int:
+    """The per-sample seed: a stable hash of (seed, epoch, object name, sample key)."""
+    text = f"{seed}\x00{epoch}\x00{object_name}\x00{key}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") & (2**63 - 1)
+
+
+def parse_spec_text(text: str, field: str) -> Any:
+    """A spec given as text (environment variable or etl_args string): JSON, YAML or a preset name."""
+    stripped = text.strip()
+    if stripped in PRESETS:
+        return stripped
+    try:
+        return yaml.safe_load(stripped)  # YAML is a superset of JSON
+    except yaml.YAMLError as exc:
+        raise OptionsError(field, f"not valid JSON or YAML ({exc.__class__.__name__})") from None
+
+
+def build_pipeline(spec: Any, field: str = "transforms") -> Pipeline:
+    """Validate a spec (preset name or list of steps) and build its pipeline (cached)."""
+    if isinstance(spec, str):
+        if spec not in PRESETS:
+            raise OptionsError(field, f"unknown preset '{spec}'; choose one of {sorted(PRESETS)}")
+        return _build(spec, _canonical(PRESETS[spec], field))
+    return _build("custom", _canonical(spec, field))
+
+
+def _canonical(spec: Any, field: str) -> tuple[tuple[str, str], ...]:
+    if not isinstance(spec, list) or not spec:
+        raise OptionsError(field, "must be a preset name or a non-empty list of transform steps")
+    steps = []
+    for position, step in enumerate(spec):
+        where = f"{field}[{position}]"
+        if isinstance(step, str):
+            name, kwargs = step, {}
+        elif isinstance(step, dict) and "name" in step:
+            name, kwargs = step["name"], {k: v for k, v in step.items() if k != "name"}
+        elif isinstance(step, dict) and len(step) == 1:
+            ((name, kwargs),) = step.items()
+            kwargs = {} if kwargs is None else kwargs
+        else:
+            raise OptionsError(where, 'a step is "Name", {"Name": {kwargs}} or {"name": "Name", ...}')
+        if not isinstance(name, str) or name not in ALLOWED:
+            raise OptionsError(where, f"transform '{name}' is not allowed; allowed: {sorted(ALLOWED)}")
+        if not isinstance(kwargs, dict):
+            raise OptionsError(where, f"arguments of {name} must be a mapping, got {type(kwargs).__name__}")
+        steps.append((name, json.dumps(kwargs, sort_keys=True)))
+    for position, (name, _) in enumerate(steps[:-1]):
+        if name == "Normalize":
+            raise OptionsError(f"{field}[{position}]", "Normalize must be the last step")
+    return tuple(steps)
+
+
+@functools.lru_cache(maxsize=64)
+def _build(name: str, steps: tuple[tuple[str, str], ...]) -> Pipeline:
+    transforms: list[v2.Transform] = []
+    normalize = None
+    for position, (step_name, kwargs_json) in enumerate(steps):
+        kwargs = json.loads(kwargs_json)
+        where = f"transforms[{position}] ({step_name})"
+        if "interpolation" in kwargs:
+            mode = kwargs["interpolation"]
+            if mode not in _INTERPOLATIONS:
+                raise OptionsError(where, f"interpolation must be one of {sorted(_INTERPOLATIONS)}")
+            kwargs["interpolation"] = _INTERPOLATIONS[mode]
+        try:
+            transform = ALLOWED[step_name](**kwargs)
+        except (TypeError, ValueError) as exc:
+            raise OptionsError(where, str(exc)) from None
+        if isinstance(transform, v2.Normalize):
+            normalize = _normalize_constants(transform, where)
+        else:
+            transforms.append(transform)
+    return Pipeline(name=name, steps=steps, transforms=tuple(transforms), normalize=normalize)
+
+
+def _normalize_constants(transform: v2.Normalize, where: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    mean, std = _floats(transform.mean, where, "mean"), _floats(transform.std, where, "std")
+    if len(mean) != len(std) or len(mean) not in (1, 3):
+        raise OptionsError(where, "mean and std need 1 or 3 values each")
+    if any(s <= 0 for s in std):
+        raise OptionsError(where, "std values must be positive")
+    return mean, std
+
+
+def _floats(values: Sequence[Any], where: str, what: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in values)
+    except (TypeError, ValueError):
+        raise OptionsError(where, f"{what} must be a list of numbers") from None
