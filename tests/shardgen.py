@@ -1,0 +1,74 @@
+"""Test shards built in memory from real photographs (scikit-image's bundled samples)."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from functools import lru_cache
+
+import numpy as np
+from PIL import Image
+
+_PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")
+
+
+@lru_cache(maxsize=None)
+def photo(index: int) -> np.ndarray:
+    import skimage.data
+
+    return getattr(skimage.data, _PHOTOS[index % len(_PHOTOS)])()
+
+
+def jpeg_bytes(index: int = 0, size: tuple[int, int] = (500, 375), quality: int = 90, mode: str = "RGB") -> bytes:
+    """A real photo resized to ``size`` (width, height) as JPEG."""
+    image = Image.fromarray(photo(index)).convert("RGB").resize(size).convert(mode)
+    buffer = io.BytesIO()
+    image.save(buffer, "JPEG", quality=quality)
+    return buffer.getvalue()
+
+
+def png_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def trimap_bytes(size: tuple[int, int] = (500, 375)) -> bytes:
+    """An Oxford-Pet-like trimap: 1 foreground, 2 background, 3 border."""
+    width, height = size
+    mask = np.full((height, width), 2, np.uint8)
+    mask[height // 4 : 3 * height // 4, width // 4 : 3 * width // 4] = 1
+    mask[height // 4 : 3 * height // 4, width // 4] = 3
+    return png_bytes(mask)
+
+
+def make_tar(members: list[tuple[str, bytes]], mtime: int = 1_700_000_000) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime, info.mode = len(data), mtime, 0o640
+            archive.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def imagenet_like_members(samples: int, extra: bool = True) -> list[tuple[str, bytes]]:
+    """``sample-%06d.jpg`` + ``.cls`` (+ ``.json`` when ``extra``) per sample, photos cycling."""
+    members = []
+    for i in range(samples):
+        key = f"sample-{i:06d}"
+        members.append((f"{key}.jpg", jpeg_bytes(i)))
+        members.append((f"{key}.cls", str(i % len(_PHOTOS)).encode()))
+        if extra:
+            members.append((f"{key}.json", b'{"index": %d}' % i))
+    return members
+
+
+def imagenet_like_shard(samples: int = 8, extra: bool = True) -> bytes:
+    return make_tar(imagenet_like_members(samples, extra))
+
+
+def read_tar(data: bytes) -> list[tuple[str, bytes]]:
+    """(name, bytes) of every file member, in order."""
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as archive:
+        return [(m.name, archive.extractfile(m).read()) for m in archive.getmembers() if m.isfile()]
