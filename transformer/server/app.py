@@ -1,0 +1,315 @@
+"""The AIS ETL contract over HTTP and WebSocket (contract doc sections 2-4).
+
+Routes: ``PUT /<bucket>/<obj>`` (hpush), ``GET /<PathEscape(uname)>`` (hpull), ``WS /ws``,
+``POST /download``, ``GET /health``, ``GET /metrics``. Each shard request becomes a ``ShardJob``;
+this module only decides where its input comes from and where its output goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import httpx
+from fastapi import FastAPI, Request, WebSocket
+from fastapi.responses import PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.websockets import WebSocketDisconnect
+
+from ..config import Settings
+from ..engine import TransformPool
+from ..errors import Cancelled, OptionsError, RequestError, TransformerError
+from ..options import parse_etl_args
+from .fqn import resolve_fqn
+from .hops import HEADER_NODE_URL, final_destination_is_remote, parse_node_url
+from .jobs import BodySource, BytesSource, FileSource, Final, HttpSource, Runtime, ShardJob, Source, watch_disconnect
+from .metrics import Metrics
+
+log = logging.getLogger("transformer.server")
+
+TAR_CONTENT_TYPE = "application/x-tar"
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings.from_env()
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    state: dict[str, Runtime] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        runtime = Runtime(
+            settings=settings,
+            pool=TransformPool(settings.workers, settings.max_inflight),
+            client=_http_client(settings),
+            metrics=Metrics(),
+        )
+        state["runtime"] = runtime
+        log.info("transformer ready: %d workers, window %d, preset %s, obj_timeout %.0fs",
+                 settings.workers, settings.window, settings.preset, settings.obj_timeout)
+        try:
+            yield
+        finally:
+            runtime.pool.shutdown()
+            runtime.client.close()
+
+    app = FastAPI(title="AIS WebDataset transformer", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    def runtime() -> Runtime:
+        return state["runtime"]
+
+    @app.get("/health", response_class=PlainTextResponse)
+    async def health() -> str:
+        return "Running"
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(runtime().metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/download")
+    async def download(request: Request) -> Response:
+        """ETL download jobs: fetch ``original_url``, transform, answer 200 + bytes (contract 2.2)."""
+        query = request.query_params
+        url = query.get("original_url", "")
+        if urlsplit(url).scheme not in ("http", "https"):
+            return _error(RequestError(f"original_url {url!r} must be an http(s) URL"))
+        name = query.get("object_to") or urlsplit(url).path.rsplit("/", 1)[-1]
+        return await _shard_response(request, lambda rt, job_deadline: HttpSource(rt.client, url, job_deadline),
+                                     shard=name, object_name=name, comm="download", object_path=name)
+
+    @app.put("/{path:path}")
+    async def hpush(path: str, request: Request) -> Response:
+        """hpush: ``PUT /<bucket>/<obj>``, input from ``etl_fqn`` (empty body) or the body."""
+        fqn = request.query_params.get("etl_fqn")
+        object_name = path.split("/", 1)[1] if "/" in path else path
+        make = _fqn_source(fqn) if fqn else None  # None: the body, read inside the response (ASGI receive)
+        return await _shard_response(request, make, shard=path, object_name=object_name, comm="hpush",
+                                     object_path=path)
+
+    @app.get("/{path:path}")
+    async def hpull(path: str, request: Request) -> Response:
+        """hpull: ``GET /<PathEscape(uname)>``, input from ``etl_fqn`` or fetched from the target."""
+        raw = request.scope.get("raw_path", b"").decode("latin-1").lstrip("/") or path
+        uname = unquote(raw)
+        parts = uname.split("/", 3)
+        object_name = parts[3] if len(parts) == 4 else uname
+        fqn = request.query_params.get("etl_fqn")
+        if fqn:
+            make = _fqn_source(fqn)
+        else:
+            target = runtime().settings.ais_target_url
+            if not target:
+                return _error(RequestError("hpull without etl_fqn needs AIS_TARGET_URL, which is not set", 500))
+            # Keep the escaping exactly: the uname travels as one path segment (contract 2.3).
+            url = f"{target}/{raw}"
+            if request.query_params.get("latest-ver"):
+                url += "?latest-ver=true"
+            make = lambda rt, job_deadline: HttpSource(rt.client, url, job_deadline)  # noqa: E731
+        return await _shard_response(request, make, shard=uname, object_name=object_name, comm="hpull",
+                                     object_path=raw)
+
+    def _fqn_source(fqn: str):
+        def make(rt: Runtime, _deadline: float) -> Source:
+            return FileSource(resolve_fqn(fqn, rt.settings.fqn_roots))
+
+        return make
+
+    async def _shard_response(request: Request, make_source, *, shard: str, object_name: str, comm: str,
+                              object_path: str) -> Response:
+        rt = runtime()
+        etl_args = request.query_params.get("etl_args", "")
+        try:
+            options = parse_etl_args(etl_args, rt.settings)
+            hop = parse_node_url(request.headers.get(HEADER_NODE_URL), object_path, etl_args,
+                                 rt.settings.ais_target_url)
+            deadline = time.monotonic() + rt.settings.obj_timeout
+            source = make_source(rt, deadline) if make_source is not None else None
+        except TransformerError as exc:
+            return _error(exc)
+        return ShardResponse(rt, source, options, hop, shard=shard, object_name=object_name, comm=comm)
+
+    @app.websocket("/ws")
+    async def websocket(ws: WebSocket) -> None:
+        await serve_websocket(ws, runtime())
+
+    return app
+
+
+class ShardResponse(Response):
+    """Streams a shard job's output with a deferred start and a hard abort on late failure.
+
+    The status line is sent only when the first output chunk (or a complete answer) exists, so an
+    unreadable shard or a bad first sample is still a proper 4xx/5xx. After that, a failure raises
+    out of the ASGI call: uvicorn then closes the connection without the final chunk, so the caller
+    sees a broken transfer, never a cleanly terminated, truncated tar.
+    """
+
+    def __init__(self, rt: Runtime, source: Source | None, options, hop, *, shard: str, object_name: str, comm: str):
+        super().__init__()
+        self.rt, self.source, self.options, self.hop = rt, source, options, hop
+        self.shard, self.object_name, self.comm = shard, object_name, comm
+
+    async def __call__(self, scope, receive, send) -> None:
+        loop = asyncio.get_running_loop()
+        job = ShardJob(self.rt, BytesSource(b""), self.options, shard=self.shard, object_name=self.object_name,
+                       hop=self.hop, comm=self.comm)
+        if self.source is None:
+            body = BodySource(loop, job.cancel)
+            job.source = body
+            watcher = asyncio.create_task(body.pump(receive, job.cancel.set))
+        else:
+            job.source = self.source
+            watcher = asyncio.create_task(watch_disconnect(receive, job.cancel.set))
+        job.start()
+        finished = False
+        try:
+            item = await job.next_item()
+            if isinstance(item, BaseException):
+                finished = True
+                await _send_whole(send, *_error_parts(item))
+                return
+            if isinstance(item, Final):
+                finished = True
+                await _send_whole(send, item.status, item.body, item.headers or {})
+                return
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", TAR_CONTENT_TYPE.encode())]})
+            while item is not None:
+                if isinstance(item, BaseException):
+                    raise StreamAborted(f"aborting the response of shard '{self.shard}' after "
+                                        f"{job.report.bytes_out} bytes: {item}") from item
+                await send({"type": "http.response.body", "body": bytes(item), "more_body": True})
+                item = await job.next_item()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            finished = True
+        finally:
+            if not finished:
+                job.cancel.set()
+            watcher.cancel()
+
+
+class StreamAborted(Exception):
+    """Raised out of the ASGI app so the server drops the connection mid-body (on purpose)."""
+
+
+async def _send_whole(send, status: int, body: bytes, headers: dict[str, str]) -> None:
+    raw_headers = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+    if status != 204:
+        raw_headers.append((b"content-type", b"text/plain; charset=utf-8"))
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": b"" if status == 204 else body})
+
+
+def _error_parts(exc: BaseException) -> tuple[int, bytes, dict[str, str]]:
+    if isinstance(exc, TransformerError):
+        return exc.status, exc.message.encode(), {}
+    return 500, f"internal error: {exc!r}".encode(), {}
+
+
+def _error(exc: TransformerError) -> Response:
+    return PlainTextResponse(exc.message, status_code=exc.status)
+
+
+# ------------------------------------------------------------------------------------------ websocket
+
+
+async def serve_websocket(ws: WebSocket, rt: Runtime) -> None:
+    """``ws://``: Binary JSON control [+ Binary content], one reply per request, in order (contract 2.4).
+
+    There is no error frame in the protocol and AIS takes any Text reply as "delivered by direct put",
+    so an error is never a Text reply: with a remote destination we reply Binary (AIS records an object
+    error); otherwise we close the socket with 1011 and the reason (AIS records a job error).
+    """
+    await ws.accept()
+    try:
+        while True:
+            message = await ws.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            control = _control_message(message)
+            if control is None:
+                await ws.close(code=1003, reason="expected a JSON control message {path, fqn?, etl_args?, pipeline?}")
+                return
+            pipeline = control.get("pipeline") or ""
+            try:
+                reply = await _ws_request(ws, rt, control, pipeline)
+            except (TransformerError, ValueError) as exc:
+                text = exc.message if isinstance(exc, TransformerError) else str(exc)
+                log.warning("ws request %s failed: %s", control.get("path"), text)
+                if final_destination_is_remote(pipeline):
+                    await ws.send_bytes(f"ETL error: {text}".encode())
+                    continue
+                await ws.close(code=1011, reason=text.encode()[:120].decode("utf-8", "ignore"))
+                return
+            if isinstance(reply, Final):
+                await ws.send_text(reply.headers.get("Ais-Direct-Put-Length", "0") if reply.headers else "0")
+            else:
+                await ws.send_bytes(reply)
+    except WebSocketDisconnect:
+        return
+
+
+def _control_message(message: dict[str, Any]) -> dict[str, Any] | None:
+    raw = message.get("bytes") if message.get("bytes") is not None else (message.get("text") or "").encode()
+    try:
+        control = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return control if isinstance(control, dict) else None
+
+
+async def _ws_request(ws: WebSocket, rt: Runtime, control: dict[str, Any], pipeline: str) -> bytes | Final:
+    path = str(control.get("path") or "")
+    etl_args = str(control.get("etl_args") or "")
+    fqn = control.get("fqn")
+    if fqn:
+        source: Source = FileSource(resolve_fqn(str(fqn), rt.settings.fqn_roots))  # single-encoded in ws JSON
+    else:
+        content = await ws.receive()
+        if content["type"] == "websocket.disconnect":
+            raise WebSocketDisconnect()
+        data = content.get("bytes")
+        if data is None:
+            raise RequestError(f"ws request {path!r}: expected a Binary content frame after the control message")
+        source = BytesSource(data)
+    try:
+        options = parse_etl_args(etl_args, rt.settings)
+    except OptionsError:
+        raise
+    hop = parse_node_url(pipeline or None, path, etl_args, rt.settings.ais_target_url)
+    job = ShardJob(rt, source, options, shard=path, object_name=path, hop=hop, comm="ws")
+    job.start()
+    output = bytearray()  # one ws message per object: ASGI cannot send fragmented messages
+    try:
+        while True:
+            item = await job.next_item()
+            if item is None:
+                return bytes(output)
+            if isinstance(item, BaseException):
+                raise item if isinstance(item, TransformerError) else TransformerError(repr(item))
+            if isinstance(item, Final):
+                if item.status == 204:
+                    return item
+                raise TransformerError(f"ws request {path!r}: next hop answered {item.status}: "
+                                       f"{item.body[:300].decode('utf-8', 'replace')}")
+            output += item
+    except Cancelled:
+        raise
+    finally:
+        job.cancel.set()
+
+
+def _http_client(settings: Settings) -> httpx.Client:
+    env = settings.env
+    verify: bool | str = True
+    if env.get("AIS_SKIP_VERIFY_CRT", env.get("AIS_SKIP_VERIFY", "")).lower() in ("true", "1"):
+        verify = False
+    elif env.get("AIS_CLIENT_CA"):
+        verify = env["AIS_CLIENT_CA"]
+    # Idle connections expire before the target's own 6 s idle timeout would close them under us.
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=16, keepalive_expiry=4.0)
+    return httpx.Client(verify=verify, limits=limits, follow_redirects=False, timeout=settings.obj_timeout)

@@ -1,0 +1,158 @@
+"""Where the output goes after this pod: ``Ais-Node-Url`` parsing, direct put, the next ETL stage.
+
+Grammar (contract doc section 4.1): a comma-separated list; an entry **with a URL path** is the
+destination target (direct put, always last), an entry **without a path** is the next ETL stage.
+We classify by that rule and never by response body length, so an empty output is still correct.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import httpx
+
+from ..errors import RequestError, UpstreamError
+
+HEADER_NODE_URL = "Ais-Node-Url"
+HEADER_DIRECT_PUT_LENGTH = "Ais-Direct-Put-Length"
+HEADER_RETRY_REASON = "Ais-Etl-Retry-Reason"
+RETRY_REASON_TRANSIENT = "direct-put-transient"
+
+# Connection-level failures before the destination answered: worth another attempt.
+TRANSIENT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
+                    httpx.ReadError, httpx.WriteError, httpx.PoolTimeout)
+
+
+@dataclass(frozen=True)
+class DirectPutTarget:
+    """The destination target: the output is PUT there and this pod answers 204 on its 200."""
+
+    url: str
+
+
+@dataclass(frozen=True)
+class EtlStage:
+    """The next ETL of a pipeline: it gets the output as its input, with the rest of the list."""
+
+    url: str
+    remaining: str  # value of Ais-Node-Url for the next stage ('' = omit the header)
+
+
+NextHop = DirectPutTarget | EtlStage
+
+
+def parse_node_url(value: str | None, object_path: str, etl_args: str, ais_target_url: str) -> NextHop | None:
+    """The first hop of an ``Ais-Node-Url`` list, or ``None`` when there is none.
+
+    ``object_path`` is the path this pod was called with (``<bucket>/<obj>`` for hpush), forwarded to
+    the next stage unchanged.
+    """
+    if value is None or value == "":
+        return None
+    entries = [entry.strip() for entry in value.split(",")]
+    if any(not entry for entry in entries):
+        raise RequestError(f"malformed {HEADER_NODE_URL} header {value!r}: empty entry")
+    first, rest = entries[0], entries[1:]
+    parts = urlsplit(first)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise RequestError(f"malformed {HEADER_NODE_URL} entry {first!r}: expected http(s)://host:port[/path]")
+    if parts.path not in ("", "/"):
+        if rest:
+            raise RequestError(f"malformed {HEADER_NODE_URL} header: destination {first!r} is not the last entry")
+        if not ais_target_url:
+            raise RequestError("direct put requested but AIS_TARGET_URL is not set in this pod", status=500)
+        target = urlsplit(ais_target_url)
+        # Keep the entry's path escaped exactly as received (one segment: the escaped uname).
+        query = "&".join(q for q in (parts.query, _encoded_args(etl_args)) if q)
+        url = f"{target.scheme}://{parts.netloc}{target.path}{parts.path}" + (f"?{query}" if query else "")
+        return DirectPutTarget(url=url)
+    query = _encoded_args(etl_args)
+    url = f"{parts.scheme}://{parts.netloc}/{object_path.lstrip('/')}" + (f"?{query}" if query else "")
+    return EtlStage(url=url, remaining=",".join(rest))
+
+
+def _encoded_args(etl_args: str) -> str:
+    return str(httpx.QueryParams({"etl_args": etl_args})) if etl_args else ""
+
+
+def final_destination_is_remote(value: str | None) -> bool:
+    """Whether the last entry of a pipeline list is a destination target (has a path)."""
+    if not value:
+        return False
+    last = value.split(",")[-1].strip()
+    return urlsplit(last).path not in ("", "/")
+
+
+@dataclass
+class HopResult:
+    """What the next hop answered: 204 (delivered) or 200 with a body stream to relay."""
+
+    status: int
+    body: Iterator[bytes] | None = None
+    delivered_bytes: int = 0
+
+
+def put_stream(
+    client: httpx.Client,
+    url: str,
+    make_body: Callable[[], Iterable[bytes | memoryview]],
+    *,
+    headers: dict[str, str],
+    deadline: float,
+    replayable: bool,
+) -> httpx.Response:
+    """PUT a streamed body, retrying transient failures until ``deadline``; returns an open response.
+
+    A body that has not started is always re-sendable; once bytes went out, another attempt needs a
+    fresh body (``make_body`` re-reads and re-transforms the input), so it is tried only when the
+    input is ``replayable`` (a local file or an hpull fetch, not a one-shot request body).
+    """
+    attempt = 0
+    while True:
+        attempt += 1
+        consumed = False
+
+        def body() -> Iterator[bytes]:
+            nonlocal consumed
+            for chunk in make_body():
+                consumed = True
+                yield bytes(chunk) if isinstance(chunk, memoryview) else chunk
+
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise UpstreamError(f"PUT {_short(url)}: object timeout exceeded after {attempt - 1} attempt(s)", 504)
+        timeout = httpx.Timeout(remaining, connect=min(5.0, remaining))
+        try:
+            request = client.build_request("PUT", url, content=body(), headers=headers, timeout=timeout)
+            response = client.send(request, stream=True)
+        except TRANSIENT_ERRORS as exc:
+            error: Exception = exc
+        except httpx.TimeoutException as exc:
+            raise UpstreamError(f"PUT {_short(url)}: timed out ({exc.__class__.__name__})", 504) from None
+        else:
+            if response.status_code < 500 or response.status_code == 507:
+                return response
+            response.read()
+            response.close()
+            error = UpstreamError(f"PUT {_short(url)}: {response.status_code} {response.text[:300]}",
+                                  response.status_code, response.content)
+        if consumed and not replayable:
+            raise _transient(url, error)
+        delay = min(0.25 * 2 ** (attempt - 1), 4.0)
+        if time.monotonic() + delay >= deadline:
+            raise _transient(url, error)
+        time.sleep(delay)
+
+
+def _transient(url: str, error: Exception) -> UpstreamError:
+    if isinstance(error, UpstreamError):
+        return error
+    return UpstreamError(f"PUT {_short(url)}: {error.__class__.__name__}: {error}", 502)
+
+
+def _short(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}{parts.path}"

@@ -1,0 +1,367 @@
+"""One shard request in flight: its input source, its driver thread, and the hand-off to the event loop.
+
+Each request gets a driver thread that reads the input, runs ``engine.transform_shard`` (which fans
+samples out to the shared ``TransformPool``) and sends the output to the next hop or back to the event
+loop through an asyncio queue. The event loop only moves bytes: it never parses, decodes or waits on
+CPU work, which keeps ``/health`` answering while every core is busy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import httpx
+
+from ..config import Settings
+from ..engine import ShardReport, TransformPool, transform_shard
+from ..errors import Cancelled, RequestError, TransformerError, UpstreamError
+from ..options import TransformOptions
+from .hops import (
+    HEADER_DIRECT_PUT_LENGTH,
+    HEADER_NODE_URL,
+    HEADER_RETRY_REASON,
+    RETRY_REASON_TRANSIENT,
+    DirectPutTarget,
+    EtlStage,
+    NextHop,
+    put_stream,
+)
+from .metrics import Metrics
+
+log = logging.getLogger("transformer.server")
+
+_OUTPUT_QUEUE_CHUNKS = 8  # chunks buffered between the driver thread and the socket (backpressure)
+
+
+@dataclass
+class Runtime:
+    """Process-wide state shared by all requests."""
+
+    settings: Settings
+    pool: TransformPool
+    client: httpx.Client  # thread-safe; used from driver threads only
+    metrics: Metrics
+
+
+# ---------------------------------------------------------------------------------------------- sources
+
+
+class Source:
+    """Where a shard's bytes come from. ``replayable`` sources can be read again for a retry."""
+
+    replayable = True
+    kind = "body"
+
+    def open(self) -> contextlib.AbstractContextManager[BinaryIO]:
+        raise NotImplementedError
+
+
+class FileSource(Source):
+    """A local file named by ``etl_fqn`` (already confined and decoded by ``fqn.resolve``)."""
+
+    kind = "fqn"
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def open(self):
+        return open(self.path, "rb", buffering=1024 * 1024)
+
+
+class HttpSource(Source):
+    """An object fetched over HTTP: hpull from ``AIS_TARGET_URL``, or a ``/download`` origin."""
+
+    kind = "fetch"
+
+    def __init__(self, client: httpx.Client, url: str, deadline: float):
+        self.client, self.url, self.deadline = client, url, deadline
+
+    @contextlib.contextmanager
+    def open(self):
+        remaining = max(0.1, self.deadline - time.monotonic())
+        try:
+            timeout = httpx.Timeout(remaining, connect=min(5.0, remaining))
+            with self.client.stream("GET", self.url, timeout=timeout) as r:
+                if r.status_code != 200:
+                    r.read()
+                    status = 404 if r.status_code == 404 else 502
+                    raise UpstreamError(f"GET {_no_secret(self.url)}: {r.status_code} {r.text[:300]}", status)
+                yield _IteratorReader(r.iter_raw())
+        except httpx.TimeoutException as exc:
+            raise UpstreamError(f"GET {_no_secret(self.url)}: timed out ({exc.__class__.__name__})", 504) from None
+        except httpx.HTTPError as exc:
+            raise UpstreamError(f"GET {_no_secret(self.url)}: {exc.__class__.__name__}: {exc}", 502) from None
+
+
+class BytesSource(Source):
+    """Bytes already in memory (a WebSocket content frame)."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def open(self):
+        import io
+
+        return io.BytesIO(self.data)
+
+
+class BodySource(Source):
+    """The request body, read from ASGI ``receive`` by the event loop and handed to the driver thread.
+
+    One-shot: it cannot be replayed, which is why a failed direct put of a body-mode request is
+    answered with AIS's 503 + ``Ais-Etl-Retry-Reason`` (the target then re-sends the body).
+    """
+
+    replayable = False
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, cancel: threading.Event):
+        self.loop, self.cancel = loop, cancel
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=16)
+
+    async def pump(self, receive: Callable, on_disconnect: Callable[[], None]) -> None:
+        """Move body chunks into the queue (awaiting room: TCP backpressure), then watch for disconnect."""
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                await self.queue.put(Cancelled("caller disconnected while sending the body"))
+                on_disconnect()
+                return
+            body = message.get("body", b"")
+            if body:
+                await self.queue.put(body)
+            if not message.get("more_body", False):
+                await self.queue.put(b"")
+                break
+        await watch_disconnect(receive, on_disconnect)
+
+    def open(self):
+        return _IteratorReader(self._chunks())
+
+    def _chunks(self) -> Iterator[bytes]:
+        while True:
+            future = asyncio.run_coroutine_threadsafe(self.queue.get(), self.loop)
+            while True:
+                try:
+                    item = future.result(timeout=0.2)
+                    break
+                except TimeoutError:
+                    if self.cancel.is_set():
+                        future.cancel()
+                        raise Cancelled("cancelled while reading the request body") from None
+            if isinstance(item, Exception):
+                raise item
+            if item == b"":
+                return
+            yield item
+
+
+async def watch_disconnect(receive: Callable, on_disconnect: Callable[[], None]) -> None:
+    """After the body: ``receive`` returns ``http.disconnect`` only when the caller goes away."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            on_disconnect()
+            return
+
+
+class _IteratorReader:
+    """A read-only file object over an iterator of byte chunks (what ``tarfile`` stream mode needs)."""
+
+    def __init__(self, chunks: Iterator[bytes]):
+        self._chunks = iter(chunks)
+        self._buffer = memoryview(b"")
+        self.bytes_read = 0
+
+    def read(self, size: int = -1) -> bytes:
+        if size is None or size < 0:
+            parts = [bytes(self._buffer)] + list(self._chunks)
+            self._buffer = memoryview(b"")
+            data = b"".join(parts)
+            self.bytes_read += len(data)
+            return data
+        while not self._buffer:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                return b""
+            self._buffer = memoryview(chunk)
+        data = bytes(self._buffer[:size])
+        self._buffer = self._buffer[size:]
+        self.bytes_read += len(data)
+        return data
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class _Counting:
+    """Counts bytes read through any file object (for the bytes-in metric)."""
+
+    def __init__(self, stream: BinaryIO):
+        self._stream, self.count = stream, 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._stream.read(size)
+        self.count += len(data)
+        return data
+
+
+def _no_secret(url: str) -> str:
+    """A URL fit for logs and error bodies: the ETL secret of AIS_TARGET_URL is not repeated."""
+    marker = "/v1/etl/_object/"
+    if marker in url:
+        head, tail = url.split(marker, 1)
+        parts = tail.split("/", 2)
+        if len(parts) == 3:
+            return f"{head}{marker}{parts[0]}/***/{parts[2]}"
+    return url
+
+
+# ----------------------------------------------------------------------------------------------- jobs
+
+
+@dataclass
+class Final:
+    """A complete answer (no streamed body): 204 after direct put, or an error status."""
+
+    status: int
+    body: bytes = b""
+    headers: dict[str, str] | None = None
+
+
+class ShardJob:
+    """Transforms one shard in a driver thread; the event loop consumes ``next_item()``."""
+
+    def __init__(self, runtime: Runtime, source: Source, options: TransformOptions, *, shard: str,
+                 object_name: str, hop: NextHop | None, comm: str, cancel: threading.Event | None = None):
+        self.runtime, self.source, self.options = runtime, source, options
+        self.shard, self.object_name, self.hop, self.comm = shard, object_name, hop, comm
+        self.cancel = cancel or threading.Event()
+        self.report = ShardReport(shard, object_name, options.on_error)
+        self.deadline = time.monotonic() + runtime.settings.obj_timeout
+        self._loop = asyncio.get_running_loop()
+        self._items: asyncio.Queue = asyncio.Queue()
+        self._room = threading.Semaphore(_OUTPUT_QUEUE_CHUNKS)
+        self.bytes_in = 0
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name=f"shard {self.shard}", daemon=True).start()
+
+    async def next_item(self):
+        """A chunk (bytes), a ``Final``, an exception, or ``None`` at the end of a streamed body."""
+        item = await self._items.get()
+        if isinstance(item, bytes | memoryview):
+            self._room.release()
+        return item
+
+    # -- driver thread ---------------------------------------------------------------------------
+
+    def _emit(self, item) -> None:
+        self._loop.call_soon_threadsafe(self._items.put_nowait, item)
+
+    def _emit_chunk(self, chunk) -> None:
+        while not self._room.acquire(timeout=0.2):
+            if self.cancel.is_set():
+                raise Cancelled(f"shard '{self.shard}': caller went away")
+        self._emit(chunk)
+
+    def _output(self) -> Iterator[bytes | memoryview]:
+        """The transformed shard; opening the source again on every call (for retries)."""
+        self.report = ShardReport(self.shard, self.object_name, self.options.on_error)
+        with self.source.open() as stream:
+            counted = _Counting(stream)
+            try:
+                for chunk in transform_shard(
+                    counted, self.options, self.runtime.pool, shard=self.shard, object_name=self.object_name,
+                    window=self.runtime.settings.window, report=self.report, cancel=self.cancel,
+                    deadline=self.deadline,
+                ):
+                    if self.report.first_byte is None:
+                        self.report.first_byte = time.monotonic()
+                    self.report.bytes_out += len(chunk)
+                    yield chunk
+            finally:
+                self.bytes_in += counted.count
+
+    def _run(self) -> None:
+        metrics = self.runtime.metrics
+        metrics.inflight.inc()
+        outcome = "error"
+        try:
+            if self.hop is None:
+                for chunk in self._output():
+                    self._emit_chunk(chunk)
+                self._emit(None)
+            elif isinstance(self.hop, DirectPutTarget):
+                self._emit(self._direct_put(self.hop))
+            else:
+                self._to_stage(self.hop)
+            outcome = "ok"
+        except Cancelled:
+            outcome = "cancelled"
+            log.info("shard %s: caller went away; work stopped", self.shard)
+        except TransformerError as exc:
+            log.warning("%s", exc.message)
+            self._emit(exc)
+        except Exception as exc:  # a bug: report it as a 500 with the reason, keep serving
+            log.exception("shard %s: unexpected error", self.shard)
+            self._emit(TransformerError(f"shard '{self.shard}': internal error: {exc!r}"))
+        finally:
+            metrics.inflight.dec()
+            metrics.record(self.report, self.comm, outcome, self.bytes_in)
+
+    def _direct_put(self, hop: DirectPutTarget) -> Final:
+        try:
+            response = put_stream(self.runtime.client, hop.url, self._output, headers={},
+                                  deadline=self.deadline, replayable=self.source.replayable)
+        except UpstreamError as exc:
+            if not self.source.replayable and exc.status >= 500 and exc.status != 504:
+                # The target re-sends a replayable body when asked this way (contract doc 2.1).
+                return Final(503, exc.message.encode(), {HEADER_RETRY_REASON: RETRY_REASON_TRANSIENT})
+            raise
+        with response:
+            response.read()
+        if response.status_code == 200:
+            return Final(204, b"", {HEADER_DIRECT_PUT_LENGTH: str(self.report.bytes_out)})
+        # Propagate the destination's refusal (never a 204): AIS records it as the object's error.
+        return Final(response.status_code, response.content or f"direct put failed: {response.status_code}".encode())
+
+    def _to_stage(self, hop: EtlStage) -> None:
+        headers = {HEADER_NODE_URL: hop.remaining} if hop.remaining else {}
+        response = put_stream(self.runtime.client, hop.url, self._output, headers=headers,
+                              deadline=self.deadline, replayable=self.source.replayable)
+        with response:
+            if response.status_code == 200:
+                for chunk in response.iter_raw():
+                    self._emit_chunk(chunk)
+                self._emit(None)
+            elif response.status_code == 204:
+                length = response.headers.get(HEADER_DIRECT_PUT_LENGTH)
+                self._emit(Final(204, b"", {HEADER_DIRECT_PUT_LENGTH: length} if length else None))
+            else:
+                response.read()
+                self._emit(Final(response.status_code, response.content))
+
+
+def open_fqn_source(raw: str, settings: Settings) -> FileSource:
+    from .fqn import resolve_fqn
+
+    return FileSource(resolve_fqn(raw, settings.fqn_roots))
+
+
+def check_fqn_exists(path: str) -> None:
+    if not os.path.isfile(path):
+        raise RequestError(f"etl_fqn '{path}' does not exist", status=404)

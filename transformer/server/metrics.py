@@ -1,0 +1,43 @@
+"""Prometheus metrics of the pod (AIS exports only target-side ETL counters)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ..engine import ShardReport
+
+_SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class Metrics:
+    """One registry per app, so several apps (tests) never clash in the global registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.shards = Counter("etl_shards", "Shard requests finished", ["comm", "outcome"], registry=r)
+        self.samples = Counter("etl_samples", "Samples by outcome", ["outcome"], registry=r)
+        self.bytes_in = Counter("etl_bytes_in", "Shard bytes read", registry=r)
+        self.bytes_out = Counter("etl_bytes_out", "Transformed bytes produced", registry=r)
+        self.shard_seconds = Histogram("etl_shard_seconds", "Time per shard request", buckets=_SECONDS, registry=r)
+        self.first_byte = Histogram("etl_first_byte_seconds", "Time to the first output byte", buckets=_SECONDS,
+                                    registry=r)
+        self.inflight = Gauge("etl_inflight_shards", "Shard requests being transformed", registry=r)
+
+    def record(self, report: ShardReport, comm: str, outcome: str, bytes_in: int) -> None:
+        self.shards.labels(comm, outcome).inc()
+        failed = len(report.errors)
+        skipped = sum(1 for e in report.errors if e["action"] == "skipped")
+        self.samples.labels("ok").inc(max(0, report.samples_out - (failed - skipped)))
+        self.samples.labels("skipped").inc(skipped)
+        self.samples.labels("passed_through").inc(failed - skipped)
+        if outcome == "error":
+            self.samples.labels("failed").inc(max(0, report.samples_in - report.samples_out))
+        self.bytes_in.inc(bytes_in)
+        self.bytes_out.inc(report.bytes_out)
+        import time
+
+        now = time.monotonic()
+        self.shard_seconds.observe(now - report.started)
+        if report.first_byte is not None:
+            self.first_byte.observe(report.first_byte - report.started)
