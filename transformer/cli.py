@@ -1,4 +1,4 @@
-"""Command line: ``wds-transform serve | apply | make-shards | preview | settings``.
+"""Command line: ``wds-transform serve | apply | make-shards | preview | inspect | settings``.
 
 ``serve`` is the pod's entry point (the Dockerfile and the AIS runtime spec run it); the other
 commands use the same engine on local files.
@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     preview.add_argument("-o", "--output", type=Path, default=Path("preview.png"), help="PNG to write")
     preview.add_argument("--count", type=int, default=16, help="samples to draw (default 16)")
     preview.add_argument("--etl-args", default="", help="transform a raw shard with these etl_args first")
+
+    inspect = commands.add_parser("inspect", help="summarize a shard: members, arrays, labels, errors")
+    inspect.add_argument("shard", type=Path, help="a shard (raw or transformed)")
 
     settings = commands.add_parser("settings", help="print the effective settings, or the README table")
     settings.add_argument("--markdown", action="store_true", help="print the settings table as markdown")
@@ -143,6 +146,59 @@ def _preview(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    import collections
+    import io
+    import json
+    import tarfile
+
+    import numpy as np
+
+    from .engine import ERROR_MANIFEST_NAME
+
+    extensions: collections.Counter[str] = collections.Counter()
+    labels: collections.Counter[str] = collections.Counter()
+    arrays: collections.Counter[str] = collections.Counter()
+    first_array, manifest, members, keys = None, None, 0, set()
+    with tarfile.open(args.shard, "r|*") as archive:
+        for info in archive:
+            if not info.isfile():
+                continue
+            data = archive.extractfile(info).read()
+            if info.name == ERROR_MANIFEST_NAME:
+                manifest = json.loads(data)
+                continue
+            members += 1
+            base = info.name.rsplit("/", 1)[-1]
+            key, _, ext = base.partition(".")
+            keys.add(info.name[: len(info.name) - len(base)] + key)
+            extensions[ext] += 1
+            if ext.endswith("cls"):
+                labels[data.decode(errors="replace").strip()] += 1
+            if ext.endswith("npy"):
+                array = np.load(io.BytesIO(data), allow_pickle=False)
+                arrays[f"{ext}: {array.dtype} {tuple(array.shape)}"] += 1
+                if first_array is None:
+                    first_array = (info.name, array)
+    print(f"{args.shard}: {len(keys)} samples, {members} members")
+    print("  members by extension: " + ", ".join(f"{e or '(none)'} x{n}" for e, n in sorted(extensions.items())))
+    for description, count in sorted(arrays.items()):
+        print(f"  arrays {description} x{count}")
+    if first_array is not None:
+        name, array = first_array
+        values = array.astype(np.float64)
+        print(f"  first array {name}: min {values.min():.3f} max {values.max():.3f} mean {values.mean():.3f}")
+    if labels:
+        print("  labels: " + ", ".join(f"{label} x{n}" for label, n in sorted(labels.items())))
+    if manifest:
+        print(f"  {len(manifest['errors'])} sample(s) with errors, policy {manifest['policy']}:")
+        for error in manifest["errors"][:10]:
+            print(f"    {error['key']} ({error['member']}): {error['reason']} -> {error['action']}")
+    else:
+        print("  no sample errors")
+    return 0
+
+
 def _settings(args: argparse.Namespace) -> int:
     from .config import Settings, settings_table
 
@@ -160,6 +216,7 @@ _COMMANDS = {
     "apply": _apply,
     "make-shards": _make_shards,
     "preview": _preview,
+    "inspect": _inspect,
     "settings": _settings,
 }
 

@@ -35,7 +35,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "ETL_MAX_MEMBER_BYTES": ("268435456", "Largest tar member accepted (bytes); larger fails the shard."),
     "ETL_MAX_IMAGE_PIXELS": ("100000000", "Largest decoded image (width x height); larger is a sample error."),
     "ETL_FQN_ROOTS": ("", "Comma-separated roots etl_fqn must lie under; empty = any AIS mountpath."),
-    "ETL_ERROR_MANIFEST": ("true", "Append __errors__.json to output shards that lost or kept-as-is samples."),
+    "ETL_ERROR_MANIFEST": ("true", "Append __etl__/errors.json to shards that lost or kept-as-is samples."),
     "ETL_KEEPALIVE": ("75", "HTTP keep-alive seconds; must exceed the target's 6 s idle timeout."),
     "ETL_HOST": ("0.0.0.0", "Listen address (AIS requires 0.0.0.0)."),
     "ETL_PORT": ("8000", "Listen port (AIS requires 8000)."),

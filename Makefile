@@ -1,0 +1,29 @@
+# Quick start: `make demo` (install, demo shards, service, one shard through it) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+EXTRAS ?= server,client,test
+
+.PHONY: install demo test lint clean
+
+install: $(VENV)/.installed
+
+# torchvision==0.29.2 pulls torch 2.15.0 from PyPI (a CUDA build that also runs on CPU, ~5 GB once).
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	$(PY) -c "import torchvision.transforms.v2, transformer.server"
+	touch $@
+
+demo: install
+	PY=$(PY) bash scripts/demo.sh
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf demo-out .pytest_cache
