@@ -1,0 +1,240 @@
+"""hpush: ``PUT /<bucket>/<obj>`` with the shard as body or as ``etl_fqn`` (contract doc sections 2.1, 2.2)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.shardgen import imagenet_like_members, jpeg_bytes, make_tar, read_tar
+
+from .conftest import AisDisk
+from .harness import args_query, fqn_query
+from .outputs import (
+    ERROR_MANIFEST,
+    assert_transformed,
+    error_manifest,
+    image_shard,
+    npy,
+    output_name,
+    plain_members,
+    segmentation_members,
+    truncated,
+)
+
+
+def test_hpush_body_shard_becomes_npy_members(client: httpx.Client) -> None:
+    inputs = imagenet_like_members(4)
+    response = client.put("/train/shard-000.tar", content=make_tar(inputs))
+    assert response.status_code == 200, response.text
+    members = assert_transformed(inputs, response.content)
+    array = npy(dict(members)["sample-000000.npy"])
+    # ImageNet-normalized: values centred near zero, inside the range the mean/std map [0, 1] to.
+    assert -2.2 < array.min() < 0 < array.max() < 2.7
+    assert abs(float(array.mean())) < 1.0
+    assert ERROR_MANIFEST not in dict(members)  # no failures, no manifest
+
+
+def test_hpush_fqn_is_double_decoded(client: httpx.Client, disk: AisDisk) -> None:
+    # Every AIS FQN contains '%ob'; a name with a space and '%' proves exactly one extra unquote.
+    inputs = imagenet_like_members(3)
+    fqn = disk.put("train", "dir/shard 100%.tar", make_tar(inputs))
+    assert "%ob" in fqn
+    response = client.put(f"/train/dir/shard 100%.tar?{fqn_query(fqn)}", headers={"Content-Length": "0"})
+    assert response.status_code == 200, response.text
+    assert_transformed(inputs, response.content)
+
+
+def test_hpush_fqn_and_body_give_the_same_output(client: httpx.Client, disk: AisDisk) -> None:
+    shard = image_shard(3)
+    fqn = disk.put("train", "same.tar", shard)
+    by_fqn = client.put(f"/train/same.tar?{fqn_query(fqn)}", content=b"")
+    by_body = client.put("/train/same.tar", content=shard)
+    assert by_fqn.status_code == by_body.status_code == 200
+    assert by_fqn.content == by_body.content  # imagenet-val is deterministic
+
+
+def test_hpush_fqn_ignores_the_empty_body(client: httpx.Client, disk: AisDisk) -> None:
+    # FQN mode always comes with Content-Length: 0; the FQN, not the body, is the input.
+    inputs = plain_members(2, "fqn")
+    fqn = disk.put("docs", "only-fqn.tar", make_tar(inputs))
+    response = client.put(f"/docs/only-fqn.tar?{fqn_query(fqn)}", content=b"")
+    assert response.status_code == 200, response.text
+    assert read_tar(response.content) == inputs
+
+
+def test_hpush_passes_non_image_members_byte_exact_in_order(client: httpx.Client) -> None:
+    inputs = imagenet_like_members(2) + plain_members(3) + [("README", b"no extension at all")]
+    response = client.put("/mixed/shard.tar", content=make_tar(inputs))
+    assert response.status_code == 200, response.text
+    assert_transformed(inputs, response.content)
+
+
+def test_hpush_masks_get_the_same_geometry_as_their_image(client: httpx.Client) -> None:
+    inputs = segmentation_members()
+    response = client.put("/pets/shard.tar", content=make_tar(inputs))
+    assert response.status_code == 200, response.text
+    members = dict(assert_transformed(inputs, response.content))
+    trimap = npy(members["pet-0001.trimap.npy"])
+    assert set(np.unique(trimap)) <= {1, 2, 3}  # nearest-neighbour: no interpolated class values
+    assert members["pet-0001.cls"] == b"1"
+
+
+@pytest.mark.parametrize(
+    ("etl_args", "dtype", "shape"),
+    [
+        ({"dtype": "uint8"}, "uint8", (3, 224, 224)),
+        ({"dtype": "float16"}, "float16", (3, 224, 224)),
+        ({"layout": "HWC"}, "float32", (224, 224, 3)),
+        ({"dtype": "uint8", "layout": "HWC", "preset": "resize-224"}, "uint8", (224, 224, 3)),
+    ],
+)
+def test_hpush_etl_args_are_passed_through(client: httpx.Client, etl_args: dict, dtype: str, shape: tuple) -> None:
+    inputs = imagenet_like_members(2)
+    response = client.put(f"/train/args.tar?{args_query(json.dumps(etl_args))}", content=make_tar(inputs))
+    assert response.status_code == 200, response.text
+    members = assert_transformed(inputs, response.content, dtype=dtype, shape=shape)
+    if dtype == "uint8":  # uint8 is not normalized: raw pixel values
+        assert npy(members[0][1]).max() > 100
+
+
+def test_hpush_etl_args_with_fqn_are_passed_through(client: httpx.Client, disk: AisDisk) -> None:
+    inputs = imagenet_like_members(2)
+    fqn = disk.put("train", "args-fqn.tar", make_tar(inputs))
+    response = client.put(f"/train/args-fqn.tar?{fqn_query(fqn, json.dumps({'dtype': 'uint8'}))}", content=b"")
+    assert response.status_code == 200, response.text
+    assert_transformed(inputs, response.content, dtype="uint8")
+
+
+@pytest.mark.parametrize(
+    ("etl_args", "field"),
+    [
+        ('{"dtype": "int7"}', "dtype"),
+        ('{"layout": "NCHW"}', "layout"),
+        ('{"on_error": "ignore"}', "on_error"),
+        ('{"bogus": 1}', "bogus"),
+        ('{"preset": "no-such-preset"}', "preset"),
+        ("not json", "etl_args"),
+    ],
+)
+def test_hpush_invalid_etl_args_is_400_naming_the_field(client: httpx.Client, etl_args: str, field: str) -> None:
+    response = client.put(f"/train/bad-args.tar?{args_query(etl_args)}", content=image_shard(1))
+    assert response.status_code == 400
+    assert field in response.text
+
+
+def test_hpush_same_seed_same_output_for_random_preset(client: httpx.Client) -> None:
+    shard = image_shard(2)
+    query = args_query(json.dumps({"preset": "imagenet-train", "seed": 7}))
+    first = client.put(f"/train/seeded.tar?{query}", content=shard)
+    second = client.put(f"/train/seeded.tar?{query}", content=shard)
+    other_epoch = client.put(
+        f"/train/seeded.tar?{args_query(json.dumps({'preset': 'imagenet-train', 'seed': 7, 'epoch': 1}))}",
+        content=shard,
+    )
+    assert first.status_code == second.status_code == other_epoch.status_code == 200
+    assert first.content == second.content
+    assert first.content != other_epoch.content
+
+
+def _shard_with_corrupt_sample(position: int, samples: int = 4) -> tuple[list[tuple[str, bytes]], str]:
+    members = imagenet_like_members(samples, extra=False)
+    key = f"sample-{position:06d}"
+    members = [(n, jpeg_bytes(position)[:300] if n == f"{key}.jpg" else d) for n, d in members]
+    return members, key
+
+
+def test_hpush_on_error_skip_drops_the_sample_and_lists_it(client: httpx.Client) -> None:
+    inputs, bad = _shard_with_corrupt_sample(1)
+    query = args_query('{"on_error": "skip"}')
+    response = client.put(f"/train/skip.tar?{query}", content=make_tar(inputs))
+    assert response.status_code == 200, response.text
+    names = [n for n, _ in read_tar(response.content)]
+    assert not any(n.startswith(bad) for n in names)
+    assert names[-1] == ERROR_MANIFEST  # the manifest is the last member
+    manifest = error_manifest(response.content)
+    assert [e["key"] for e in manifest["errors"]] == [bad]
+    kept = [(n, d) for n, d in inputs if not n.startswith(bad)]
+    assert [n for n in names[:-1]] == [output_name(n) for n, _ in kept]
+
+
+def test_hpush_on_error_passthrough_keeps_the_original_members(client: httpx.Client) -> None:
+    inputs, bad = _shard_with_corrupt_sample(2)
+    query = args_query('{"on_error": "passthrough"}')
+    response = client.put(f"/train/pass.tar?{query}", content=make_tar(inputs))
+    assert response.status_code == 200, response.text
+    members = dict(read_tar(response.content))
+    assert members[f"{bad}.jpg"] == dict(inputs)[f"{bad}.jpg"]  # kept byte-exact, not converted
+    assert [e["key"] for e in error_manifest(response.content)["errors"]] == [bad]
+
+
+def test_hpush_on_error_fail_is_422_naming_shard_and_sample(client: httpx.Client) -> None:
+    inputs, bad = _shard_with_corrupt_sample(0)  # first sample: nothing streamed yet, a status is possible
+    query = args_query('{"on_error": "fail"}')
+    response = client.put(f"/train/fail-me.tar?{query}", content=make_tar(inputs))
+    assert response.status_code == 422
+    assert bad in response.text and "fail-me.tar" in response.text
+
+
+def test_hpush_unreadable_shard_is_422(client: httpx.Client) -> None:
+    response = client.put("/train/not-a-tar.tar", content=b"this is not a tar archive" * 100)
+    assert response.status_code == 422
+    assert "not-a-tar.tar" in response.text
+
+
+@pytest.mark.parametrize("on_error", ["fail", "skip"])
+def test_hpush_error_after_streaming_started_aborts_the_connection(client: httpx.Client, on_error: str) -> None:
+    # 25 samples = 50 members; the 50th is cut mid-payload. Earlier samples already streamed, so the
+    # status is long sent: the only honest signal left is an aborted chunked body, never a clean tar.
+    shard = truncated(make_tar(imagenet_like_members(25, extra=False)), 49)
+    query = args_query(json.dumps({"on_error": on_error}))
+    received = bytearray()
+    with pytest.raises(httpx.TransportError), client.stream("PUT", f"/train/cut.tar?{query}", content=shard) as r:
+        assert r.status_code == 200
+        for chunk in r.iter_raw():
+            received += chunk
+    assert len(received) > 600_000  # at least the first .npy went out before the abort
+
+
+def test_hpush_error_mid_stream_under_fail_aborts_the_connection(client: httpx.Client) -> None:
+    inputs, _ = _shard_with_corrupt_sample(20, samples=24)
+    query = args_query('{"on_error": "fail"}')
+    with pytest.raises(httpx.TransportError), client.stream("PUT", f"/train/late.tar?{query}",
+                                                              content=make_tar(inputs)) as r:
+        assert r.status_code == 200
+        for _ in r.iter_raw():
+            pass
+
+
+def test_hpush_fqn_outside_the_allowed_roots_is_403(client: httpx.Client) -> None:
+    response = client.put(f"/train/x.tar?{fqn_query('/etc/passwd')}", content=b"")
+    assert response.status_code == 403
+
+
+def test_hpush_fqn_escaping_the_root_with_dotdot_is_403(client: httpx.Client, disk: AisDisk) -> None:
+    fqn = disk.fqn("train", "../../../../../../etc/passwd")
+    response = client.put(f"/train/x.tar?{fqn_query(fqn)}", content=b"")
+    assert response.status_code == 403
+
+
+def test_hpush_fqn_outside_the_ais_layout_is_403(client: httpx.Client, disk: AisDisk) -> None:
+    stray = disk.root / "not-ais-layout.tar"
+    stray.write_bytes(image_shard(1))
+    response = client.put(f"/train/x.tar?{fqn_query(str(stray))}", content=b"")
+    assert response.status_code == 403
+
+
+def test_hpush_missing_fqn_is_404_naming_it(client: httpx.Client, disk: AisDisk) -> None:
+    fqn = disk.fqn("train", "never-written.tar")
+    response = client.put(f"/train/never-written.tar?{fqn_query(fqn)}", content=b"")
+    assert response.status_code == 404
+    assert "never-written.tar" in response.text
+
+
+def test_hpush_empty_output_is_200_not_204(client: httpx.Client) -> None:
+    # An inline 204 is an error for AIS (contract 2.1): only a direct put may answer 204.
+    response = client.put("/train/empty.tar", content=make_tar([]))
+    assert response.status_code == 200
+    assert read_tar(response.content) == []
