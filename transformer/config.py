@@ -7,6 +7,7 @@ in the pod (contract doc section 3); everything else is ours.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -57,8 +58,8 @@ def parse_duration(text: str, name: str) -> float:
             raise ConfigError(name, f"'{text}' is not a duration like 45s, 5m or 1m30s") from None
         scale = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
         value = sum(float(n) * scale[u] for n, u in parts)
-    if value <= 0:
-        raise ConfigError(name, "must be positive")
+    if not math.isfinite(value) or value <= 0:  # float() accepts 'nan' and 'inf'
+        raise ConfigError(name, "must be a positive, finite duration")
     return value
 
 
@@ -158,6 +159,9 @@ class Settings:
         level = get("ETL_LOG_LEVEL").lower()
         if level not in ("debug", "info", "warning", "error"):
             raise ConfigError("ETL_LOG_LEVEL", f"'{level}' is not debug, info, warning or error")
+        port = integer("ETL_PORT", 1)
+        if port > 65535:
+            raise ConfigError("ETL_PORT", f"{port} is not a TCP port (1-65535)")
         roots = tuple(os.path.realpath(r.strip()) for r in get("ETL_FQN_ROOTS").split(",") if r.strip())
         return cls(
             preset=preset,
@@ -178,7 +182,7 @@ class Settings:
             error_manifest=manifest in ("true", "1", "yes"),
             keepalive=keepalive,
             host=get("ETL_HOST"),
-            port=integer("ETL_PORT", 1),
+            port=port,
             log_level=level,
             ais_target_url=get("AIS_TARGET_URL").rstrip("/"),
             env=env,

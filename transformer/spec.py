@@ -148,8 +148,13 @@ def build_pipeline(spec: Any, field: str = "transforms") -> Pipeline:
     if isinstance(spec, str):
         if spec not in PRESETS:
             raise OptionsError(field, f"unknown preset '{spec}'; choose one of {sorted(PRESETS)}")
-        return _build(spec, _canonical(PRESETS[spec], field))
-    return _build("custom", _canonical(spec, field))
+        name, steps = spec, _canonical(PRESETS[spec], field)
+    else:
+        name, steps = "custom", _canonical(spec, field)
+    try:
+        return _build(name, steps)
+    except OptionsError as exc:  # _build is cached per spec, not per field, so the field is named here
+        raise OptionsError(field + exc.field, exc.reason) from None
 
 
 def _canonical(spec: Any, field: str) -> tuple[tuple[str, str], ...]:
@@ -184,7 +189,7 @@ def _build(name: str, steps: tuple[tuple[str, str], ...]) -> Pipeline:
     normalize = None
     for position, (step_name, kwargs_json) in enumerate(steps):
         kwargs = json.loads(kwargs_json)
-        where = f"transforms[{position}] ({step_name})"
+        where = f"[{position}] ({step_name})"  # prefixed with the field by build_pipeline
         if "interpolation" in kwargs:
             mode = kwargs["interpolation"]
             if mode not in _INTERPOLATIONS:

@@ -1,0 +1,67 @@
+"""Shared fixtures for the core-module tests: default settings, options from etl_args, a pool."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from tests.shardgen import make_tar
+from transformer.config import Settings
+from transformer.engine import ShardReport, TransformPool, transform_shard
+from transformer.options import TransformOptions, options_from_mapping
+from transformer.samples import Sample
+from transformer.shards import read_samples
+
+
+@pytest.fixture(scope="session")
+def settings() -> Settings:
+    """The service defaults, independent of the environment the tests run in."""
+    return Settings.from_env({})
+
+
+@pytest.fixture
+def make_options(settings: Settings) -> Callable[..., TransformOptions]:
+    """``make_options(dtype="uint8", seed=1)``: options exactly as that etl_args object would give."""
+
+    def build(**etl_args: Any) -> TransformOptions:
+        return options_from_mapping(etl_args, settings)
+
+    return build
+
+
+@pytest.fixture
+def make_sample() -> Callable[[list[tuple[str, bytes]]], Sample]:
+    """The single sample that a tar of these (name, bytes) members groups into."""
+
+    def build(members: list[tuple[str, bytes]]) -> Sample:
+        samples = list(read_samples(io.BytesIO(make_tar(members)), "test.tar", 2**30))
+        assert len(samples) == 1, [s.key for s in samples]
+        return samples[0]
+
+    return build
+
+
+@pytest.fixture
+def pool() -> Iterator[TransformPool]:
+    pool = TransformPool(workers=2, max_inflight=8)
+    yield pool
+    pool.shutdown()
+
+
+@pytest.fixture
+def run_shard(pool: TransformPool) -> Callable[..., tuple[bytes, ShardReport]]:
+    """``run_shard(tar_bytes, options, window=4)`` -> (output tar bytes, report)."""
+
+    def run(
+        data: bytes, options: TransformOptions, window: int = 4, shard: str = "test.tar"
+    ) -> tuple[bytes, ShardReport]:
+        report = ShardReport(shard, shard, options.on_error)
+        chunks = transform_shard(
+            io.BytesIO(data), options, pool, shard=shard, object_name=shard, window=window, report=report
+        )
+        return b"".join(bytes(c) for c in chunks), report
+
+    return run

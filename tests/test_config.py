@@ -1,0 +1,214 @@
+"""Service settings: every environment variable parsed and validated, Go durations, cgroup CPU quota."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+
+from transformer import config
+from transformer.config import VARIABLES, Settings, available_cpus, parse_duration, settings_table
+from transformer.engine import ERROR_MANIFEST_NAME
+from transformer.errors import ConfigError
+from transformer.spec import build_pipeline
+
+
+def test_defaults_match_the_variables_table() -> None:
+    settings = Settings.from_env({"ETL_WORKERS": "3"})
+    assert settings.preset == VARIABLES["ETL_PRESET"][0] == "imagenet-train"
+    assert settings.transforms is None
+    assert (settings.dtype, settings.layout, settings.on_error, settings.seed) == ("float32", "CHW", "skip", None)
+    assert settings.image_exts == {"jpg", "jpeg", "png", "webp"}
+    assert settings.mask_exts == {"trimap.png", "mask.png", "seg.png"}
+    assert (settings.workers, settings.window, settings.max_inflight) == (3, 8, 16)
+    assert settings.obj_timeout == 300.0
+    assert settings.max_member_bytes == 256 * 2**20 and settings.max_image_pixels == 100_000_000
+    assert settings.fqn_roots == () and settings.error_manifest is True
+    assert (settings.keepalive, settings.host, settings.port, settings.log_level) == (75, "0.0.0.0", 8000, "info")
+    assert settings.ais_target_url == ""
+
+
+def test_every_variable_is_read() -> None:
+    env = {
+        "ETL_PRESET": "imagenet-val",
+        "ETL_TRANSFORMS": '[{"Resize": {"size": 64}}]',
+        "ETL_DTYPE": "float16",
+        "ETL_LAYOUT": "HWC",
+        "ETL_ON_ERROR": "fail",
+        "ETL_SEED": "-12",
+        "ETL_IMAGE_EXTS": " JPG, .png ,tif",
+        "ETL_MASK_EXTS": "Label.PNG",
+        "ETL_WORKERS": "5",
+        "ETL_WINDOW": "3",
+        "ETL_MAX_INFLIGHT": "9",
+        "ETL_OBJ_TIMEOUT": "1m30s",
+        "ETL_MAX_MEMBER_BYTES": "1024",
+        "ETL_MAX_IMAGE_PIXELS": "4096",
+        "ETL_FQN_ROOTS": "/ais/mp1, /ais/mp2/../mp3,",
+        "ETL_ERROR_MANIFEST": "No",
+        "ETL_KEEPALIVE": "7",
+        "ETL_HOST": "127.0.0.1",
+        "ETL_PORT": "8123",
+        "ETL_LOG_LEVEL": "DEBUG",
+        "AIS_TARGET_URL": "http://target:8080/v1/etl/_object/x/SECRET/",
+    }
+    assert set(env) == set(VARIABLES)  # this test covers every variable there is
+    s = Settings.from_env(env)
+    assert s.preset == "imagenet-val"
+    assert s.transforms == [{"Resize": {"size": 64}}]
+    assert (s.dtype, s.layout, s.on_error, s.seed) == ("float16", "HWC", "fail", -12)
+    assert s.image_exts == {"jpg", "png", "tif"} and s.mask_exts == {"label.png"}
+    assert (s.workers, s.window, s.max_inflight) == (5, 3, 9)
+    assert s.obj_timeout == 90.0
+    assert (s.max_member_bytes, s.max_image_pixels) == (1024, 4096)
+    assert s.fqn_roots == (os.path.realpath("/ais/mp1"), os.path.realpath("/ais/mp3"))
+    assert s.error_manifest is False
+    assert (s.keepalive, s.host, s.port, s.log_level) == (7, "127.0.0.1", 8123, "debug")
+    assert s.ais_target_url == "http://target:8080/v1/etl/_object/x/SECRET"
+
+
+def test_from_env_reads_the_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ETL_DTYPE", "uint8")
+    monkeypatch.setenv("ETL_WORKERS", "2")
+    settings = Settings.from_env()
+    assert settings.dtype == "uint8" and settings.workers == 2
+    assert settings.env["ETL_DTYPE"] == "uint8"
+
+
+def test_window_and_inflight_default_from_workers() -> None:
+    settings = Settings.from_env({"ETL_WORKERS": "4", "ETL_WINDOW": "", "ETL_MAX_INFLIGHT": " "})
+    assert (settings.window, settings.max_inflight) == (10, 20)
+
+
+@pytest.mark.parametrize(
+    "variable, value",
+    [
+        ("ETL_PRESET", "imagenet"),
+        ("ETL_PRESET", ""),
+        ("ETL_TRANSFORMS", "[{"),
+        ("ETL_TRANSFORMS", '[{"Lambda": {}}]'),
+        ("ETL_TRANSFORMS", '[{"Resize": {"sizee": 5}}]'),
+        ("ETL_TRANSFORMS", "- Normalize: {mean: [0.5], std: [0.5]}\n- Resize: {size: 8}"),
+        ("ETL_DTYPE", "float64"),
+        ("ETL_DTYPE", "FLOAT32"),
+        ("ETL_LAYOUT", "NCHW"),
+        ("ETL_ON_ERROR", "ignore"),
+        ("ETL_SEED", "abc"),
+        ("ETL_SEED", "1.5"),
+        ("ETL_IMAGE_EXTS", ""),
+        ("ETL_IMAGE_EXTS", " , "),
+        ("ETL_MASK_EXTS", "trimap.tif"),
+        ("ETL_MASK_EXTS", "mask"),
+        ("ETL_WORKERS", "0"),
+        ("ETL_WORKERS", "two"),
+        ("ETL_WINDOW", "0"),
+        ("ETL_WINDOW", "1e3"),
+        ("ETL_MAX_INFLIGHT", "-1"),
+        ("ETL_OBJ_TIMEOUT", "forever"),
+        ("ETL_OBJ_TIMEOUT", "0s"),
+        ("ETL_OBJ_TIMEOUT", "nan"),
+        ("ETL_MAX_MEMBER_BYTES", "0"),
+        ("ETL_MAX_MEMBER_BYTES", "1GB"),
+        ("ETL_MAX_IMAGE_PIXELS", "-5"),
+        ("ETL_ERROR_MANIFEST", "maybe"),
+        ("ETL_KEEPALIVE", "6"),
+        ("ETL_KEEPALIVE", "5"),
+        ("ETL_KEEPALIVE", "seventy"),
+        ("ETL_PORT", "0"),
+        ("ETL_PORT", "http"),
+        ("ETL_PORT", "70000"),
+        ("ETL_LOG_LEVEL", "trace"),
+    ],
+)
+def test_bad_values_name_the_variable(variable: str, value: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env({"ETL_WORKERS": "2", variable: value})
+    assert info.value.variable.startswith(variable), info.value.variable
+    assert variable in info.value.message and info.value.reason
+
+
+def test_keepalive_must_exceed_the_targets_idle_timeout() -> None:
+    with pytest.raises(ConfigError, match="6 s"):
+        Settings.from_env({"ETL_KEEPALIVE": "6"})
+    assert Settings.from_env({"ETL_KEEPALIVE": "7"}).keepalive == 7
+
+
+@pytest.mark.parametrize("text, expected", [("true", True), ("1", True), ("YES", True), ("False", False),
+                                             ("0", False), ("no", False)])
+def test_error_manifest_booleans(text: str, expected: bool) -> None:
+    assert Settings.from_env({"ETL_ERROR_MANIFEST": text}).error_manifest is expected
+
+
+def test_environment_transforms_are_validated_and_kept_parsed() -> None:
+    settings = Settings.from_env({"ETL_TRANSFORMS": "- Resize: {size: 32}\n- CenterCrop: {size: 24}"})
+    assert settings.transforms == [{"Resize": {"size": 32}}, {"CenterCrop": {"size": 24}}]
+    assert build_pipeline(settings.transforms).normalize is None
+
+
+@pytest.mark.parametrize(
+    "text, seconds",
+    [("45s", 45.0), ("5m", 300.0), ("1m30s", 90.0), ("500ms", 0.5), ("1h", 3600.0), ("1.5h", 5400.0),
+     ("1h2m3s", 3723.0), ("2m500ms", 120.5), ("10", 10.0), ("2.5", 2.5), (" 45s ", 45.0)],
+)
+def test_go_durations(text: str, seconds: float) -> None:
+    assert parse_duration(text, "ETL_OBJ_TIMEOUT") == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["", "s", "5x", "5 s", "-5s", "1m30", "m5", "0", "-1", "0ms", "nan", "inf", "5s5"])
+def test_bad_durations(text: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_duration(text, "ETL_OBJ_TIMEOUT")
+    assert info.value.variable == "ETL_OBJ_TIMEOUT"
+
+
+@pytest.fixture
+def eight_cpus(monkeypatch: pytest.MonkeyPatch):
+    """An 8-CPU affinity mask and a controllable /sys/fs/cgroup/cpu.max."""
+    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: set(range(8)))
+
+    def set_cpu_max(text: str | None) -> None:
+        def fake_open(path, *args, **kwargs):
+            assert path == "/sys/fs/cgroup/cpu.max"
+            if text is None:
+                raise FileNotFoundError(path)
+            return io.StringIO(text)
+
+        monkeypatch.setattr(config, "open", fake_open, raising=False)
+
+    return set_cpu_max
+
+
+@pytest.mark.parametrize(
+    "cpu_max, cpus",
+    [
+        (None, 8),  # no cgroup v2 file (cgroup v1 or bare metal): the affinity mask
+        ("max 100000\n", 8),  # no quota
+        ("200000 100000\n", 2),
+        ("150000 100000\n", 2),  # 1.5 CPUs rounds up: a fractional CPU is still worth a thread
+        ("50000 100000\n", 1),
+        ("1000 100000\n", 1),
+        ("1600000 100000\n", 8),  # the quota never raises the count above the affinity mask
+        ("", 8),
+        ("garbage\n", 8),
+        ("a b\n", 8),
+    ],
+)
+def test_cgroup_cpu_max(eight_cpus, cpu_max: str | None, cpus: int) -> None:
+    eight_cpus(cpu_max)
+    assert available_cpus() == cpus
+
+
+def test_workers_default_to_available_cpus(eight_cpus) -> None:
+    eight_cpus("300000 100000\n")
+    settings = Settings.from_env({})
+    assert (settings.workers, settings.window, settings.max_inflight) == (3, 8, 16)
+
+
+def test_settings_table_lists_every_variable_and_the_real_manifest_name() -> None:
+    table = settings_table()
+    for name, (default, _) in VARIABLES.items():
+        assert f"| `{name}` |" in table
+        if default:
+            assert f"`{default}`" in table
+    assert ERROR_MANIFEST_NAME in VARIABLES["ETL_ERROR_MANIFEST"][1]
