@@ -20,6 +20,7 @@ import torch
 from PIL import Image
 from torchvision import tv_tensors
 from torchvision.io import ImageReadMode, decode_image
+from torchvision.transforms.v2.functional import to_dtype
 
 from .errors import SampleError
 from .options import TransformOptions
@@ -132,7 +133,7 @@ def _decode(member: Member, kind: str, options: TransformOptions, shard: str, ke
     except Exception:
         tensor = _decode_with_pil(data, shard, key, name)  # formats libjpeg/libpng refuse but PIL reads
     if tensor.dtype == torch.uint16:  # 16-bit PNG: keep the fast uint8 paths; 8 bits carry the signal
-        tensor = (tensor >> 8).to(torch.uint8)
+        tensor = to_dtype(tensor, torch.uint8, scale=True)  # torch implements no uint16 shift on CPU
     return tv_tensors.Image(tensor)
 
 
