@@ -128,7 +128,8 @@ def _decide(transform: v2.Transform, flat: list[Any]) -> tuple[list[bool], dict[
 
 def sample_seed(seed: int | None, epoch: int, object_name: str, key: str) -> int:
     """The per-sample seed: a stable hash of (seed, epoch, object name, sample key)."""
-    text = f"{seed}\x00{epoch}\x00{object_name}\x00{key}".encode()
+    # surrogateescape: tar member names that are not UTF-8 arrive as lone surrogates; hash their raw bytes.
+    text = f"{seed}\x00{epoch}\x00{object_name}\x00{key}".encode("utf-8", "surrogateescape")
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") & (2**63 - 1)
 
 
