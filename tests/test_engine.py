@@ -1,0 +1,393 @@
+"""Ordered parallel map over a shard: order, pass-through, error policies, memory bounds, cancel, deadline."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import tarfile
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import webdataset as wds
+
+from tests.shardgen import jpeg_bytes, make_tar, read_tar
+from transformer import engine
+from transformer.config import Settings
+from transformer.engine import ERROR_MANIFEST_NAME, ShardReport, TransformPool, transform_shard
+from transformer.errors import Cancelled, SampleError, ShardError, TransformerError
+from transformer.options import TransformOptions, options_from_mapping
+
+RunShard = Callable[..., tuple[bytes, ShardReport]]
+MakeOptions = Callable[..., TransformOptions]
+
+SMALL = (96, 72)  # small photos keep the suite fast; the pipeline does the same work at any size
+
+
+def mixed_members(samples: int, bad: dict[int, bytes] | None = None) -> list[tuple[str, bytes]]:
+    """Samples with an image + label + metadata; every third one has no image at all."""
+    bad = bad or {}
+    members = []
+    for i in range(samples):
+        key = f"s-{i:04d}"
+        if i % 3 == 2:
+            members += [(f"{key}.cls", b"%d" % i), (f"{key}.txt", b"caption %d" % i)]
+            continue
+        members += [(f"{key}.jpg", bad.get(i, jpeg_bytes(i, SMALL))), (f"{key}.cls", b"%d" % i),
+                    (f"{key}.json", b'{"i": %d}' % i)]
+    return members
+
+
+def expected_names(members: list[tuple[str, bytes]], dropped: set[str] = frozenset()) -> list[str]:
+    kept = [n for n, _ in members if n.split(".")[0] not in dropped]
+    return [n[: -len(".jpg")] + ".npy" if n.endswith(".jpg") else n for n in kept]
+
+
+def tar_members(data: bytes) -> list[tarfile.TarInfo]:
+    with tarfile.open(fileobj=io.BytesIO(data)) as archive:
+        return archive.getmembers()
+
+
+def slow_transforms(monkeypatch: pytest.MonkeyPatch, seconds: float | Callable[[str], float]) -> dict:
+    """Make every sample transform take a while; returns live counters (calls, running, max running)."""
+    real = engine.transform_sample
+    stats = {"calls": 0, "running": 0, "max_running": 0}
+    lock = threading.Lock()
+
+    def slow(sample, *args):
+        with lock:
+            stats["calls"] += 1
+            stats["running"] += 1
+            stats["max_running"] = max(stats["max_running"], stats["running"])
+        try:
+            time.sleep(seconds(sample.key) if callable(seconds) else seconds)
+            return real(sample, *args)
+        finally:
+            with lock:
+                stats["running"] -= 1
+
+    monkeypatch.setattr(engine, "transform_sample", slow)
+    return stats
+
+
+# --- order and pass-through -----------------------------------------------------------------------
+
+
+def test_output_order_equals_input_order_and_other_members_are_byte_identical(
+    monkeypatch: pytest.MonkeyPatch, run_shard: RunShard, make_options: MakeOptions
+) -> None:
+    jitter = random.Random(1)
+    delays = {f"s-{i:04d}": jitter.uniform(0, 0.03) for i in range(14)}  # finish out of order
+    slow_transforms(monkeypatch, lambda key: delays[key])
+    members = mixed_members(14)
+    out, report = run_shard(make_tar(members), make_options(seed=1), window=4)
+
+    infos = tar_members(out)
+    assert [m.name for m in infos] == expected_names(members)
+    original = dict(members)
+    for name, data in read_tar(out):
+        if not name.endswith(".npy"):
+            assert data == original[name], name
+    source_infos = {m.name: m for m in tar_members(make_tar(members))}
+    for info in infos:
+        if not info.name.endswith(".npy"):
+            source = source_infos[info.name]
+            assert (info.mode, info.mtime, info.uname) == (source.mode, source.mtime, source.uname)
+    assert (report.samples_in, report.samples_out, report.images, report.errors) == (14, 14, 10, [])
+    assert ERROR_MANIFEST_NAME not in [m.name for m in infos]
+
+
+def test_seeded_output_is_byte_identical_whatever_the_window_and_workers(make_options: MakeOptions) -> None:
+    data = make_tar(mixed_members(9))
+    options = make_options(seed=77)
+    outputs = set()
+    for workers, window in ((1, 1), (2, 2), (2, 7)):
+        pool = TransformPool(workers=workers, max_inflight=8)
+        try:
+            outputs.add(b"".join(transform_shard(io.BytesIO(data), options, pool, shard="s", object_name="o",
+                                                 window=window)))
+        finally:
+            pool.shutdown()
+    assert len(outputs) == 1
+
+
+def test_samples_without_images_never_reach_the_pool(
+    monkeypatch: pytest.MonkeyPatch, run_shard: RunShard, make_options: MakeOptions
+) -> None:
+    stats = slow_transforms(monkeypatch, 0)
+    members = [(f"k{i}.cls", b"1") for i in range(5)] + [("k9.jpg", jpeg_bytes(0, SMALL))]
+    out, report = run_shard(make_tar(members), make_options())
+    assert stats["calls"] == 1
+    assert [n for n, _ in read_tar(out)] == [f"k{i}.cls" for i in range(5)] + ["k9.npy"]
+
+
+# --- error policies -------------------------------------------------------------------------------
+
+BAD = {1: b"not a jpeg", 4: b""}
+
+
+def test_skip_drops_failed_samples_and_lists_them_in_the_manifest(
+    run_shard: RunShard, make_options: MakeOptions
+) -> None:
+    members = mixed_members(7, BAD)
+    out, report = run_shard(make_tar(members), make_options(on_error="skip"), shard="bucket/shard-3.tar")
+    names = [m.name for m in tar_members(out)]
+    assert names[:-1] == expected_names(members, dropped={"s-0001", "s-0004"})
+    assert names[-1] == ERROR_MANIFEST_NAME  # at the end of the shard
+    manifest = json.loads(read_tar(out)[-1][1])
+    assert manifest == {
+        "shard": "bucket/shard-3.tar",
+        "object": "bucket/shard-3.tar",
+        "policy": "skip",
+        "samples_in": 7,
+        "samples_out": 5,
+        "errors": [
+            {"key": "s-0001", "member": "s-0001.jpg", "reason": manifest["errors"][0]["reason"], "action": "skipped"},
+            {"key": "s-0004", "member": "s-0004.jpg", "reason": "empty image member (0 bytes)", "action": "skipped"},
+        ],
+    }
+    assert "not a decodable image" in manifest["errors"][0]["reason"]
+    assert (report.samples_in, report.samples_out, len(report.errors)) == (7, 5, 2)
+
+
+def test_passthrough_keeps_the_original_bytes_of_failed_samples(
+    run_shard: RunShard, make_options: MakeOptions
+) -> None:
+    members = mixed_members(7, BAD)
+    out, report = run_shard(make_tar(members), make_options(on_error="passthrough"))
+    produced = read_tar(out)
+    expected = [n if n.split(".")[0] in ("s-0001", "s-0004") else e for (n, _), e in
+                zip(members, expected_names(members))]
+    assert [n for n, _ in produced[:-1]] == expected
+    produced_map = dict(produced)
+    assert produced_map["s-0001.jpg"] == b"not a jpeg" and produced_map["s-0004.jpg"] == b""
+    assert produced_map["s-0001.cls"] == b"1"
+    manifest = json.loads(produced[-1][1])
+    assert [(e["key"], e["action"]) for e in manifest["errors"]] == [("s-0001", "passed-through"),
+                                                                    ("s-0004", "passed-through")]
+    assert manifest["samples_out"] == 7 and report.samples_out == 7
+
+
+def test_fail_raises_the_sample_error(run_shard: RunShard, make_options: MakeOptions) -> None:
+    with pytest.raises(SampleError) as info:
+        run_shard(make_tar(mixed_members(7, BAD)), make_options(on_error="fail"), shard="shard-9.tar")
+    assert (info.value.shard, info.value.key, info.value.member) == ("shard-9.tar", "s-0001", "s-0001.jpg")
+    assert info.value.status == 422
+
+
+def test_unexpected_exceptions_are_sample_errors_too(
+    monkeypatch: pytest.MonkeyPatch, run_shard: RunShard, make_options: MakeOptions
+) -> None:
+    real = engine.transform_sample
+
+    def flaky(sample, *args):
+        if sample.key == "s-0003":
+            raise RuntimeError("boom")
+        return real(sample, *args)
+
+    monkeypatch.setattr(engine, "transform_sample", flaky)
+    out, report = run_shard(make_tar(mixed_members(5)), make_options(on_error="skip"))
+    (error,) = report.errors
+    assert error["key"] == "s-0003" and "internal error" in error["reason"] and "boom" in error["reason"]
+    assert not any(n.startswith("s-0003") for n, _ in read_tar(out))
+
+
+def test_no_manifest_without_errors_or_when_disabled(run_shard: RunShard) -> None:
+    settings = Settings.from_env({"ETL_ERROR_MANIFEST": "false"})
+    options = options_from_mapping({"on_error": "skip"}, settings)
+    out, report = run_shard(make_tar(mixed_members(4, {0: b"junk"})), options)
+    assert len(report.errors) == 1
+    assert ERROR_MANIFEST_NAME not in [n for n, _ in read_tar(out)]
+
+
+def test_webdataset_readers_skip_the_manifest(tmp_path, run_shard: RunShard, make_options: MakeOptions) -> None:
+    out, _ = run_shard(make_tar(mixed_members(6, BAD)), make_options(on_error="skip"))
+    assert read_tar(out)[-1][0] == ERROR_MANIFEST_NAME
+    path = tmp_path / "out.tar"
+    path.write_bytes(out)
+    decoded = list(wds.WebDataset(str(path), shardshuffle=False).decode())
+    assert [s["__key__"] for s in decoded] == ["s-0000", "s-0002", "s-0003", "s-0005"]
+    assert all(not k.startswith("__etl") for s in decoded for k in s)
+
+
+def test_broken_shard_raises_after_partial_output(run_shard: RunShard, make_options: MakeOptions) -> None:
+    data = make_tar(mixed_members(6))
+    with pytest.raises(ShardError, match="cut.tar"):
+        run_shard(data[: len(data) // 2], make_options(), shard="cut.tar")
+
+
+# --- memory bounds --------------------------------------------------------------------------------
+
+
+def test_at_most_window_samples_of_a_shard_are_in_flight(
+    monkeypatch: pytest.MonkeyPatch, pool: TransformPool, make_options: MakeOptions
+) -> None:
+    slow_transforms(monkeypatch, 0.02)
+    read_count = 0
+    real_read = engine.read_samples
+
+    def counting_read(*args, **kwargs):
+        nonlocal read_count
+        for sample in real_read(*args, **kwargs):
+            read_count += 1
+            yield sample
+
+    monkeypatch.setattr(engine, "read_samples", counting_read)
+    members = [(f"k{i:02d}.jpg", jpeg_bytes(i, SMALL)) for i in range(16)]
+    window = 3
+    emitted, in_flight = 0, []
+    for piece in transform_shard(io.BytesIO(make_tar(members)), make_options(), pool, shard="s", object_name="s",
+                                 window=window):
+        if len(piece) >= 3 * 224 * 224 * 4:  # one image payload, yielded as a piece of its own
+            in_flight.append(read_count - emitted)  # read from the input but not yet written out
+            emitted += 1
+    assert emitted == 16
+    assert max(in_flight) == window  # the window is used (parallel read-ahead) and never exceeded
+
+
+def test_max_inflight_bounds_two_concurrent_shards(monkeypatch: pytest.MonkeyPatch, make_options: MakeOptions) -> None:
+    stats = slow_transforms(monkeypatch, 0.03)
+    pool = TransformPool(workers=2, max_inflight=3)
+    outstanding = {"now": 0, "max": 0}
+    lock = threading.Lock()
+    real_submit = pool._executor.submit
+
+    def counting_submit(fn, *args):
+        with lock:
+            outstanding["now"] += 1
+            outstanding["max"] = max(outstanding["max"], outstanding["now"])
+        future = real_submit(fn, *args)
+
+        def done(_):
+            with lock:
+                outstanding["now"] -= 1
+
+        future.add_done_callback(done)
+        return future
+
+    monkeypatch.setattr(pool._executor, "submit", counting_submit)
+    shards = {name: make_tar([(f"{name}-{i}.jpg", jpeg_bytes(i, SMALL)) for i in range(8)]) for name in "ab"}
+    outputs: dict[str, bytes] = {}
+    errors: list[BaseException] = []
+
+    def consume(name: str) -> None:
+        try:
+            outputs[name] = b"".join(transform_shard(io.BytesIO(shards[name]), make_options(), pool, shard=name,
+                                                     object_name=name, window=4))
+        except BaseException as exc:  # noqa: BLE001 - surfaced by the assertion below
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=consume, args=(name,)) for name in "ab"]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        pool.shutdown()
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert outstanding["max"] == 3  # both shards' windows (4 + 4) compete for 3 slots
+    assert stats["max_running"] <= 2
+    for name in "ab":
+        assert [n for n, _ in read_tar(outputs[name])] == [f"{name}-{i}.npy" for i in range(8)]
+
+
+def all_slots_free(pool: TransformPool, slots: int, within: float = 3.0) -> bool:
+    """Whether all ``slots`` can be taken within ``within`` seconds (then gives them back)."""
+    taken = 0
+    deadline = time.monotonic() + within
+    while taken < slots and time.monotonic() < deadline:
+        if pool._slots.acquire(timeout=0.05):
+            taken += 1
+    for _ in range(taken):
+        pool._slots.release()
+    return taken == slots
+
+
+def test_cancel_stops_the_work_promptly_and_releases_slots(
+    monkeypatch: pytest.MonkeyPatch, make_options: MakeOptions
+) -> None:
+    stats = slow_transforms(monkeypatch, 0.15)
+    pool = TransformPool(workers=2, max_inflight=4)
+    try:
+        cancel = threading.Event()
+        members = [(f"k{i:02d}.jpg", jpeg_bytes(i, SMALL)) for i in range(30)]
+        chunks = transform_shard(io.BytesIO(make_tar(members)), make_options(), pool, shard="s", object_name="s",
+                                 window=4, cancel=cancel)
+        next(chunks)
+        cancel.set()
+        started = time.monotonic()
+        with pytest.raises(Cancelled, match="'s'"):
+            for _ in chunks:
+                pass
+        assert time.monotonic() - started < 1.0
+        assert all_slots_free(pool, 4)
+        calls = stats["calls"]
+        time.sleep(0.3)
+        assert stats["calls"] == calls < 12  # nothing new starts after the cancel
+    finally:
+        pool.shutdown()
+
+
+def test_cancel_while_waiting_for_a_slot(make_options: MakeOptions) -> None:
+    pool = TransformPool(workers=1, max_inflight=2)
+    try:
+        for _ in range(2):  # another shard holds every slot
+            assert pool._slots.acquire(timeout=1)
+        cancel = threading.Event()
+        outcome: list[BaseException] = []
+
+        def consume() -> None:
+            try:
+                b"".join(transform_shard(io.BytesIO(make_tar([("k.jpg", jpeg_bytes(0, SMALL))])), make_options(),
+                                         pool, shard="s", object_name="s", window=2, cancel=cancel))
+            except BaseException as exc:  # noqa: BLE001 - inspected below
+                outcome.append(exc)
+
+        thread = threading.Thread(target=consume)
+        thread.start()
+        time.sleep(0.2)
+        assert thread.is_alive() and not outcome  # blocked on the pool, not failed
+        cancel.set()
+        thread.join(timeout=2)
+        assert not thread.is_alive() and isinstance(outcome[0], Cancelled)
+        for _ in range(2):
+            pool._slots.release()
+        assert all_slots_free(pool, 2)
+    finally:
+        pool.shutdown()
+
+
+def test_closing_the_output_cancels_pending_samples(monkeypatch: pytest.MonkeyPatch, make_options: MakeOptions) -> None:
+    stats = slow_transforms(monkeypatch, 0.1)
+    pool = TransformPool(workers=1, max_inflight=6)
+    try:
+        members = [(f"k{i:02d}.jpg", jpeg_bytes(i, SMALL)) for i in range(20)]
+        chunks = transform_shard(io.BytesIO(make_tar(members)), make_options(), pool, shard="s", object_name="s",
+                                 window=6)
+        next(chunks)
+        chunks.close()  # the caller went away (the server closes the generator)
+        assert all_slots_free(pool, 6)
+        assert stats["calls"] < 6  # queued samples were cancelled, not run
+    finally:
+        pool.shutdown()
+
+
+def test_deadline(monkeypatch: pytest.MonkeyPatch, pool: TransformPool, make_options: MakeOptions) -> None:
+    slow_transforms(monkeypatch, 0.1)
+    members = [(f"k{i:02d}.jpg", jpeg_bytes(i, SMALL)) for i in range(40)]
+    started = time.monotonic()
+    with pytest.raises(TransformerError) as info:
+        b"".join(transform_shard(io.BytesIO(make_tar(members)), make_options(), pool, shard="late.tar",
+                                 object_name="late.tar", window=4, deadline=time.monotonic() + 0.4))
+    assert 0.35 < time.monotonic() - started < 1.5
+    assert "late.tar" in info.value.message and "timeout" in info.value.message
+    assert all_slots_free(pool, 8)
+
+
+def test_deadline_already_passed(pool: TransformPool, make_options: MakeOptions) -> None:
+    with pytest.raises(TransformerError, match="timeout"):
+        b"".join(transform_shard(io.BytesIO(make_tar(mixed_members(3))), make_options(), pool, shard="s",
+                                 object_name="s", window=2, deadline=time.monotonic() - 1))
