@@ -1,0 +1,148 @@
+"""Registration against the fake AIS proxy: the init message, idempotency, replace, unregister, YAML."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+import yaml
+
+from transformer.client import (
+    EtlNameError,
+    EtlSettings,
+    EtlSpecMismatch,
+    obj_timeout_for,
+    register,
+    runtime_spec_yaml,
+    unregister,
+    validate_name,
+)
+
+from .fake_proxy import FakeProxy
+
+IMAGE = "registry.local/ais-wds-transformer:0.1.0"
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [("short", "too short"), ("x" * 33, "too long"), ("Wds-etl", "lowercase"), ("-wds-etl", "start and end"),
+     ("wds_etl", "lowercase"), ("wds-etl-", "start and end")],
+)
+def test_names_ais_refuses_are_refused(name: str, reason: str) -> None:
+    with pytest.raises(EtlNameError, match=reason):
+        validate_name(name)
+
+
+@pytest.mark.parametrize("name", ["wds-etl", "a" * 32, "etl-224", "123456"])
+def test_names_ais_accepts_are_accepted(name: str) -> None:
+    assert validate_name(name) == name
+
+
+def test_obj_timeout_rule() -> None:
+    assert obj_timeout_for(1000) == "45s"  # 1000 x 4 ms x 4 = 16 s: the SDK's 45 s floor
+    assert obj_timeout_for(10_000) == "160s"  # 10000 x 4 ms x safety 4
+    assert obj_timeout_for(10_000, 0.004, workers=2, concurrent_shards=4) == "320s"  # pool shared by 4 shards
+    assert obj_timeout_for(5000, 0.002, workers=8, reader_images_per_second=100) == "200s"  # a slow reader rules
+    assert obj_timeout_for(100, 0.001, safety=1, minimum=1) == "1s"  # rounded up, never 0
+    with pytest.raises(ValueError):
+        obj_timeout_for(0)
+
+
+def test_settings_derive_the_timeout_and_the_pod_environment() -> None:
+    settings = EtlSettings(image=IMAGE, images_per_shard=20_000, seconds_per_image=0.003, workers=4,
+                           dtype="uint8", seed=7, env={"ETL_WINDOW": "16"})
+    assert settings.effective_obj_timeout == "60s"  # 20000 x 3 ms / 4 workers x 4
+    assert settings.environment() == {
+        "ETL_PRESET": "imagenet-train", "ETL_DTYPE": "uint8", "ETL_LAYOUT": "CHW", "ETL_ON_ERROR": "skip",
+        "ETL_SEED": "7", "ETL_WORKERS": "4", "ETL_OBJ_TIMEOUT": "60s", "ETL_WINDOW": "16"}
+    with pytest.raises(ValueError, match="unknown service variable ETL_WINDWO"):
+        EtlSettings(image=IMAGE, env={"ETL_WINDWO": "16"})
+    with pytest.raises(ValueError, match="through its own field"):
+        EtlSettings(image=IMAGE, env={"ETL_DTYPE": "uint8"})
+    with pytest.raises(ValueError, match="ws:// requires direct_put"):
+        EtlSettings(image=IMAGE, comm_type="ws", direct_put=False)
+    with pytest.raises(ValueError, match="dtype"):
+        EtlSettings(image=IMAGE, dtype="int8")
+
+
+def test_register_sends_the_init_message_through_the_sdk(ais, proxy: FakeProxy) -> None:
+    settings = EtlSettings(image=IMAGE, comm_type="hpull", preset="imagenet-val", obj_timeout="2m")
+    result = register(ais, "wds-etl", settings)
+    assert result.created and result.job_id == proxy.etls["wds-etl"].xaction
+    (init,) = proxy.calls("PUT", "/v1/etl")
+    assert init.body == settings.init_message("wds-etl")
+    assert init.body["communication"] == "hpull://" and init.body["obj_timeout"] == "2m"
+    assert init.body["runtime"] == {"image": IMAGE, "env": [
+        {"name": "ETL_PRESET", "value": "imagenet-val"}, {"name": "ETL_DTYPE", "value": "float32"},
+        {"name": "ETL_LAYOUT", "value": "CHW"}, {"name": "ETL_ON_ERROR", "value": "skip"},
+        {"name": "ETL_OBJ_TIMEOUT", "value": "2m"}]}
+
+
+def test_register_is_idempotent_for_the_same_spec(ais, proxy: FakeProxy) -> None:
+    settings = EtlSettings(image=IMAGE, obj_timeout="60s")
+    register(ais, "wds-etl", settings)
+    again = register(ais, "wds-etl", settings)  # AIS echoes obj_timeout as "1m0s": same value, same spec
+    assert not again.created
+    assert len(proxy.calls("PUT", "/v1/etl")) == 1
+
+
+def test_register_starts_a_stopped_etl_with_the_same_spec(ais, proxy: FakeProxy) -> None:
+    settings = EtlSettings(image=IMAGE)
+    register(ais, "wds-etl", settings).etl.stop()
+    assert proxy.etls["wds-etl"].stage == "Aborted"
+    assert not register(ais, "wds-etl", settings).created
+    assert proxy.etls["wds-etl"].stage == "Running"
+    assert len(proxy.calls("POST", "/v1/etl/wds-etl/start")) == 1
+
+
+def test_register_refuses_a_different_spec_unless_replacing(ais, proxy: FakeProxy) -> None:
+    register(ais, "wds-etl", EtlSettings(image=IMAGE))
+    changed = EtlSettings(image=IMAGE, dtype="uint8")
+    with pytest.raises(EtlSpecMismatch, match="env ETL_DTYPE: running 'float32', wanted 'uint8'") as info:
+        register(ais, "wds-etl", changed)
+    assert set(info.value.differences) == {"env ETL_DTYPE"}
+    result = register(ais, "wds-etl", changed, replace=True)
+    assert result.created
+    order = [(r.method, r.path) for r in proxy.requests if r.method != "GET"]
+    assert order == [("PUT", "/v1/etl"), ("POST", "/v1/etl/wds-etl/stop"), ("DELETE", "/v1/etl/wds-etl"),
+                     ("PUT", "/v1/etl")]
+    assert proxy.etls["wds-etl"].message == changed.init_message("wds-etl")
+
+
+def test_resources_go_in_the_same_message(ais, proxy: FakeProxy) -> None:
+    resources = {"requests": {"cpu": "4", "memory": "4Gi"}, "limits": {"cpu": "8", "memory": "8Gi"}}
+    settings = EtlSettings(image=IMAGE, workers=8, resources=resources, command=["wds-transform", "serve"])
+    register(ais, "wds-etl", settings)
+    (init,) = proxy.calls("PUT", "/v1/etl")
+    assert init.body == settings.init_message("wds-etl")
+    assert init.body["resources"] == resources and init.body["runtime"]["command"] == ["wds-transform", "serve"]
+
+
+def test_unregister_stops_and_deletes(ais, proxy: FakeProxy) -> None:
+    register(ais, "wds-etl", EtlSettings(image=IMAGE))
+    assert unregister(ais, "wds-etl") is True
+    assert "wds-etl" not in proxy.etls
+    assert unregister(ais, "wds-etl") is False
+    with pytest.raises(EtlNameError, match="not a registered ETL"):
+        unregister(ais, "wds-etl", missing_ok=False)
+
+
+def test_runtime_spec_yaml_is_the_init_message(proxy: FakeProxy) -> None:
+    settings = EtlSettings(image=IMAGE, comm_type="ws", transforms=[{"Resize": {"size": 256}}, "CenterCrop"],
+                           resources={"limits": {"cpu": "2"}})
+    text = runtime_spec_yaml("wds-etl", settings)
+    spec = yaml.safe_load(text)
+    assert spec == settings.init_message("wds-etl")
+    assert {"name": "ETL_TRANSFORMS", "value": '[{"Resize":{"size":256}},"CenterCrop"]'} in spec["runtime"]["env"]
+    # What `ais etl init -f` would send is accepted by the proxy as an init message.
+    response = requests.put(f"{proxy.url}/v1/etl", json=spec, timeout=10)
+    assert response.status_code == 200, response.text
+    assert proxy.etls["wds-etl"].message == settings.init_message("wds-etl")
+
+
+def test_fake_proxy_flags_a_message_ais_would_misread(proxy: FakeProxy) -> None:
+    """The contract checks can fail: an unknown field (AIS ignores it silently) is a 400 and a problem."""
+    message = EtlSettings(image=IMAGE).init_message("wds-etl") | {"argument": "fqn"}
+    response = requests.put(f"{proxy.url}/v1/etl", json=message, timeout=10)
+    assert response.status_code == 400 and "argument" in response.text
+    assert proxy.problems
+    proxy.problems.clear()

@@ -1,0 +1,65 @@
+"""The training side: register the ETL, list ETL'd shard URLs, load batches, prefetch to the GPU.
+
+Imports none of the server's dependencies (FastAPI, uvicorn, torchvision); the ``client`` extra is
+torch, webdataset and the aistore SDK. DALI (``transformer.client.dali``) is optional and imported
+only when a DALI pipeline is built.
+
+Modules: ``registration`` (EtlSettings, register/unregister, runtime spec YAML), ``urls`` (etl_args,
+shard and pod URLs), ``loader`` (make_loader), ``prefetch`` (CudaPrefetcher), ``convert`` (folder
+datasets -> shards in a bucket), ``shuffle`` (dSort), ``dali`` (external_source feeder).
+"""
+
+from .convert import ConvertReport, convert
+from .dali import EtlBatchSource, read_etl_shards
+from .errors import ClientError, ConvertError, EtlNameError, EtlSpecMismatch, ShardFetchError, ShuffleError
+from .loader import ErrorCounter, EtlLoader, make_loader, open_shard
+from .prefetch import CudaPrefetcher, PrefetchStats
+from .registration import (
+    EtlSettings,
+    Registration,
+    measure_seconds_per_image,
+    obj_timeout_for,
+    register,
+    runtime_spec_yaml,
+    unregister,
+    validate_name,
+)
+from .shuffle import ShuffleResult, dsort_framework, shuffle_shards
+from .urls import EpochUrls, encode_etl_args, etl_args, path_escape, pod_urls, set_etl_args, shard_urls
+
+__all__ = [
+    "ClientError",
+    "ConvertError",
+    "ConvertReport",
+    "CudaPrefetcher",
+    "EpochUrls",
+    "ErrorCounter",
+    "EtlBatchSource",
+    "EtlLoader",
+    "EtlNameError",
+    "EtlSettings",
+    "EtlSpecMismatch",
+    "PrefetchStats",
+    "Registration",
+    "ShardFetchError",
+    "ShuffleError",
+    "ShuffleResult",
+    "convert",
+    "dsort_framework",
+    "encode_etl_args",
+    "etl_args",
+    "make_loader",
+    "measure_seconds_per_image",
+    "obj_timeout_for",
+    "open_shard",
+    "path_escape",
+    "pod_urls",
+    "read_etl_shards",
+    "register",
+    "runtime_spec_yaml",
+    "set_etl_args",
+    "shard_urls",
+    "shuffle_shards",
+    "unregister",
+    "validate_name",
+]

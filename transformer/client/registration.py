@@ -1,0 +1,355 @@
+"""Register the transformer as an AIS ETL: one spec for the Python SDK and for ``ais etl init -f``.
+
+``EtlSettings`` holds everything that defines the pod (image, communication type, timeouts, the
+service's ``ETL_*`` environment). ``register`` sends it through the aistore SDK and is idempotent;
+``runtime_spec_yaml`` renders the very same init message as YAML for CLI users, so both get the same
+pod. Wire format: contract doc section 5.1 (``ETLSpecMsg``); SDK signatures: section 5.3.
+
+The object timeout rule (``obj_timeout_for``): AIS applies ``obj_timeout`` as the Go client timeout
+of the whole exchange, including reading the response body (contract doc section 2.1), so a whole
+shard must be transformed *and* drained by the reader within it::
+
+    per_image   = max(seconds_per_image * concurrent_shards / workers,   # pod CPU, shared by shards
+                      1 / reader_images_per_second)                      # a slow training reader
+    obj_timeout = ceil(max(minimum, safety * images_per_shard * per_image))
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from ..config import DTYPES, ERROR_POLICIES, LAYOUTS, VARIABLES, parse_duration
+from ..errors import ConfigError
+from .errors import EtlNameError, EtlSpecMismatch
+
+if TYPE_CHECKING:
+    from aistore.sdk import Client
+    from aistore.sdk.etl import Etl
+
+log = logging.getLogger("transformer.client")
+
+COMM_TYPES = ("hpush", "hpull", "ws")
+# Classic PIL + torchvision pipeline, ImageNet-sized JPEG -> 224 float32 .npy: 3.4-4.0 ms per image
+# on one core (performance doc section 6); the optimized path is ~2x faster. Measure yours with
+# ``measure_seconds_per_image``.
+DEFAULT_SECONDS_PER_IMAGE = 0.004
+DEFAULT_OBJ_TIMEOUT_FLOOR = 45.0  # the SDK's default obj_timeout: never go below it
+_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+
+
+def validate_name(name: str) -> str:
+    """Check an ETL name as AIS (``cmn/k8s/util.go``) and the SDK do: 6-32 chars of ``[a-z0-9-]``."""
+    if not isinstance(name, str):
+        raise EtlNameError(repr(name), "is not a string")
+    if len(name) < 6:
+        raise EtlNameError(name, f"is too short ({len(name)} characters, AIS needs 6 to 32)")
+    if len(name) > 32:
+        raise EtlNameError(name, f"is too long ({len(name)} characters, AIS needs 6 to 32)")
+    if not _NAME.fullmatch(name):
+        raise EtlNameError(name, "may only contain lowercase letters, digits and '-', "
+                                 "and must start and end with a letter or digit")
+    return name
+
+
+def obj_timeout_for(
+    images_per_shard: int,
+    seconds_per_image: float = DEFAULT_SECONDS_PER_IMAGE,
+    workers: int = 1,
+    *,
+    concurrent_shards: int = 1,
+    reader_images_per_second: float | None = None,
+    safety: float = 4.0,
+    minimum: float = DEFAULT_OBJ_TIMEOUT_FLOOR,
+) -> str:
+    """The ETL ``obj_timeout`` (Go duration, whole seconds) for shards of ``images_per_shard``.
+
+    ``workers`` is the pod's transform threads (``ETL_WORKERS``, its CPU limit), shared by the
+    ``concurrent_shards`` a pod serves at once (about the number of loader workers reading through
+    that target). ``reader_images_per_second`` is the slowest rate one loader worker drains a shard
+    at; it matters for inline hpush/ws GETs, where the target streams the pod's body to the reader
+    under the same timeout. ``safety`` covers large images and CPU contention.
+    """
+    if images_per_shard < 1 or seconds_per_image <= 0 or workers < 1 or concurrent_shards < 1 or safety < 1:
+        raise ValueError("obj_timeout_for: images_per_shard, seconds_per_image, workers, concurrent_shards "
+                         "must be positive and safety at least 1")
+    per_image = seconds_per_image * concurrent_shards / workers
+    if reader_images_per_second is not None:
+        if reader_images_per_second <= 0:
+            raise ValueError("obj_timeout_for: reader_images_per_second must be positive")
+        per_image = max(per_image, 1.0 / reader_images_per_second)
+    return f"{math.ceil(max(minimum, safety * images_per_shard * per_image))}s"
+
+
+@dataclass(frozen=True)
+class EtlSettings:
+    """Everything that defines the transformer pod. ``obj_timeout=None`` derives it (``obj_timeout_for``)."""
+
+    image: str
+    comm_type: str = "hpush"
+    preset: str = "imagenet-train"
+    transforms: list[Any] | None = None
+    dtype: str = "float32"
+    layout: str = "CHW"
+    on_error: str = "skip"
+    seed: int | None = None
+    workers: int | None = None  # None: the pod uses the CPUs of its cgroup limit
+    images_per_shard: int = 1000
+    seconds_per_image: float = DEFAULT_SECONDS_PER_IMAGE
+    obj_timeout: str | None = None
+    init_timeout: str = "5m"
+    direct_put: bool = True  # the service honors Ais-Node-Url; ws:// requires it
+    command: Sequence[str] | None = None  # None: the image's entrypoint (``wds-transform serve``)
+    resources: Mapping[str, Any] | None = None  # K8s requests/limits; REST/CLI only in SDK 2.0.0
+    env: Mapping[str, str] = field(default_factory=dict)  # more pod environment (e.g. ETL_WINDOW)
+
+    def __post_init__(self) -> None:
+        if not self.image:
+            raise ValueError("EtlSettings: image is required")
+        if self.comm_type not in COMM_TYPES:
+            raise ValueError(f"EtlSettings: comm_type {self.comm_type!r} is not one of {', '.join(COMM_TYPES)}")
+        if self.comm_type == "ws" and not self.direct_put:
+            raise ValueError("EtlSettings: ws:// requires direct_put=True (AIS refuses it otherwise)")
+        for name, value, allowed in (("dtype", self.dtype, DTYPES), ("layout", self.layout, LAYOUTS),
+                                     ("on_error", self.on_error, ERROR_POLICIES)):
+            if value not in allowed:
+                raise ValueError(f"EtlSettings: {name} {value!r} is not one of {', '.join(allowed)}")
+        if self.workers is not None and self.workers < 1:
+            raise ValueError("EtlSettings: workers must be at least 1")
+        for name in ("obj_timeout", "init_timeout"):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    parse_duration(value, name)
+                except ConfigError as exc:
+                    raise ValueError(f"EtlSettings: {exc.message}") from None
+        owned = {"ETL_PRESET", "ETL_TRANSFORMS", "ETL_DTYPE", "ETL_LAYOUT", "ETL_ON_ERROR", "ETL_SEED",
+                 "ETL_WORKERS", "ETL_OBJ_TIMEOUT"}
+        for name in self.env:
+            if name in owned:
+                raise ValueError(f"EtlSettings: set {name} through its own field, not env")
+            if name.startswith("ETL_") and name not in VARIABLES:
+                raise ValueError(f"EtlSettings: unknown service variable {name} (see transformer.config.VARIABLES)")
+
+    @property
+    def effective_obj_timeout(self) -> str:
+        if self.obj_timeout is not None:
+            return self.obj_timeout
+        return obj_timeout_for(self.images_per_shard, self.seconds_per_image, self.workers or 1)
+
+    def environment(self) -> dict[str, str]:
+        """The pod's environment: the service's defaults for this ETL, then ``env``."""
+        env = {"ETL_PRESET": self.preset}
+        if self.transforms is not None:
+            env["ETL_TRANSFORMS"] = json.dumps(self.transforms, separators=(",", ":"))
+        env.update(ETL_DTYPE=self.dtype, ETL_LAYOUT=self.layout, ETL_ON_ERROR=self.on_error)
+        if self.seed is not None:
+            env["ETL_SEED"] = str(self.seed)
+        if self.workers is not None:
+            env["ETL_WORKERS"] = str(self.workers)
+        # The service's own deadline per object equals AIS's, so it fails with a message first.
+        env["ETL_OBJ_TIMEOUT"] = self.effective_obj_timeout
+        env.update({name: str(value) for name, value in self.env.items()})
+        return env
+
+    def init_message(self, name: str) -> dict[str, Any]:
+        """The ``PUT /v1/etl`` body (``ETLSpecMsg``), field for field what SDK 2.0.0 ``Etl.init`` sends."""
+        runtime: dict[str, Any] = {"image": self.image}
+        if self.command is not None:
+            runtime["command"] = list(self.command)
+        runtime["env"] = [{"name": k, "value": v} for k, v in self.environment().items()]
+        message: dict[str, Any] = {
+            "name": validate_name(name),
+            "communication": f"{self.comm_type}://",
+            "init_timeout": self.init_timeout,
+            "obj_timeout": self.effective_obj_timeout,
+            "support_direct_put": self.direct_put,
+            "runtime": runtime,
+        }
+        if self.resources is not None:
+            message["resources"] = _plain(self.resources)
+        return message
+
+
+def runtime_spec_yaml(name: str, settings: EtlSettings) -> str:
+    """The runtime spec for ``ais etl init -f spec.yaml``: the same message ``register`` sends."""
+    header = "# AIS ETL runtime spec, rendered by transformer.client.runtime_spec_yaml\n"
+    return header + yaml.safe_dump(settings.init_message(name), sort_keys=False, default_flow_style=False)
+
+
+@dataclass(frozen=True)
+class Registration:
+    """The outcome of ``register``: the SDK handle, and whether a new ETL was created."""
+
+    name: str
+    etl: Etl
+    created: bool
+    job_id: str = ""
+
+
+def register(client: Client, name: str, settings: EtlSettings, *, replace: bool = False) -> Registration:
+    """Register (or reuse) the ETL ``name`` with ``settings``.
+
+    An ETL of that name with the same spec is reused (started again if it was stopped); one with a
+    different spec raises ``EtlSpecMismatch`` unless ``replace=True``, which stops, deletes and
+    re-creates it. Compared: communication type, obj_timeout, image, command and environment
+    (AIS does not report ``resources`` or ``support_direct_put`` back).
+    """
+    from aistore.sdk.errors import AISError
+
+    message = settings.init_message(name)
+    etl = client.etl(name)
+    running = _registered_message(etl)
+    if running is not None:
+        differences = _differences(running, message)
+        if not differences:
+            if _stage(client, name) == "Aborted":
+                log.info("ETL %s is registered with this spec but stopped; starting it", name)
+                etl.start()
+            return Registration(name=name, etl=etl, created=False)
+        if not replace:
+            raise EtlSpecMismatch(name, differences)
+        log.info("replacing ETL %s (%s)", name, ", ".join(differences))
+        try:
+            etl.stop()
+        except AISError as exc:  # already stopped: deleting is what matters
+            log.debug("stop %s: %s", name, exc)
+        etl.delete()
+    job_id = _init(etl, settings, message)
+    return Registration(name=name, etl=etl, created=True, job_id=job_id)
+
+
+def unregister(client: Client, name: str, *, missing_ok: bool = True) -> bool:
+    """Stop and delete the ETL; ``False`` if there was none (``missing_ok``), else raises."""
+    from aistore.sdk.errors import AISError
+
+    etl = client.etl(validate_name(name))
+    if _registered_message(etl) is None:
+        if missing_ok:
+            return False
+        raise EtlNameError(name, "is not a registered ETL")
+    try:
+        etl.stop()
+    except AISError as exc:  # AIS refuses to stop an ETL that is not running; delete anyway
+        log.debug("stop %s: %s", name, exc)
+    etl.delete()
+    return True
+
+
+def _init(etl: Etl, settings: EtlSettings, message: dict[str, Any]) -> str:
+    if settings.resources is None:
+        return etl.init(
+            image=settings.image,
+            command=list(settings.command) if settings.command is not None else None,
+            comm_type=settings.comm_type,
+            init_timeout=settings.init_timeout,
+            obj_timeout=settings.effective_obj_timeout,
+            direct_put=settings.direct_put,
+            **settings.environment(),
+        )
+    # SDK 2.0.0 Etl.init has no ``resources`` (contract doc section 5.3): send the same message through
+    # the SDK's own request client, so authentication, retries and error mapping stay the SDK's.
+    from aistore.sdk.utils import convert_to_seconds
+
+    response = etl._client.request(
+        "PUT", path="etl", json=message, timeout=convert_to_seconds(settings.init_timeout)
+    )
+    return response.text
+
+
+def _registered_message(etl: Etl) -> dict[str, Any] | None:
+    """The init message AIS holds for this ETL, or ``None`` when it does not exist."""
+    from aistore.sdk.errors import AISError, ErrETLNotFound
+
+    try:
+        details = etl.view()
+    except ErrETLNotFound:
+        return None
+    except AISError as exc:
+        if exc.status_code == 404:
+            return None
+        raise
+    return details.init_msg.model_dump(mode="json")
+
+
+def _stage(client: Client, name: str) -> str:
+    for info in client.cluster().list_etls(stages=["Initializing", "Running", "Aborted"]):
+        if info.id == name:
+            return info.stage
+    return ""
+
+
+def _differences(running: dict[str, Any], wanted: dict[str, Any]) -> dict[str, tuple[object, object]]:
+    differences: dict[str, tuple[object, object]] = {}
+
+    def compare(field_name: str, old: object, new: object) -> None:
+        if old != new:
+            differences[field_name] = (old, new)
+
+    compare("communication", _comm(running.get("communication")), _comm(wanted["communication"]))
+    compare("obj_timeout", _seconds(running.get("obj_timeout")), _seconds(wanted["obj_timeout"]))
+    runtime = running.get("runtime")
+    runtime = runtime if isinstance(runtime, dict) else {"image": runtime}
+    wanted_runtime = wanted["runtime"]
+    compare("image", runtime.get("image"), wanted_runtime["image"])
+    compare("command", runtime.get("command") or None, wanted_runtime.get("command") or None)
+    old_env = {e["name"]: e["value"] for e in runtime.get("env") or []}
+    new_env = {e["name"]: e["value"] for e in wanted_runtime.get("env") or []}
+    for key in sorted(set(old_env) | set(new_env)):
+        compare(f"env {key}", old_env.get(key), new_env.get(key))
+    return differences
+
+
+def _comm(value: object) -> str:
+    text = str(value or "hpush://")  # AIS: empty means hpush://, and "://" is appended when missing
+    return text if "://" in text else text + "://"
+
+
+def _seconds(value: object) -> float | None:
+    # AIS reports durations as Go strings ("1m0s"); compare values, not spellings.
+    return None if value in (None, "") else parse_duration(str(value), "obj_timeout")
+
+
+def _plain(value: Any) -> Any:
+    """Mappings and sequences as plain dicts and lists (for JSON and YAML)."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def measure_seconds_per_image(shard: str, etl_args: str = "", max_samples: int | None = None) -> float:
+    """Seconds per image of the service's own engine on one local shard, on one thread.
+
+    Feed the result to ``EtlSettings(seconds_per_image=...)``. Needs the ``server`` extra
+    (torchvision), imported only here.
+    """
+    import time
+
+    from ..config import Settings
+    from ..engine import ShardReport, TransformPool, transform_shard
+    from ..options import parse_etl_args
+
+    settings = Settings.from_env({})
+    options = parse_etl_args(etl_args, settings)
+    pool = TransformPool(workers=1, max_inflight=4)
+    report = ShardReport(shard, shard, options.on_error)
+    started = time.perf_counter()
+    try:
+        with open(shard, "rb") as stream:
+            for _ in transform_shard(stream, options, pool, shard=shard, object_name=shard, window=2, report=report):
+                if max_samples is not None and report.samples_in >= max_samples:
+                    break
+    finally:
+        pool.shutdown()
+    if report.images == 0:
+        raise ValueError(f"measure_seconds_per_image: shard {shard!r} has no transformable image")
+    return (time.perf_counter() - started) / report.images
