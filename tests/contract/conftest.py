@@ -97,6 +97,14 @@ def service(target: FakeTarget, disk: AisDisk, logs: Path) -> Iterator[Service]:
 
 
 @pytest.fixture(scope="session")
+def impatient(target: FakeTarget, disk: AisDisk, logs: Path) -> Iterator[Service]:
+    """A second service whose obj_timeout is 2 s, for the timeout contract (started only when asked for)."""
+    server = start_transformer("transformer-2s", logs, transformer_env(target, disk, ETL_OBJ_TIMEOUT="2s"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def client(service: Service) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=service.url, timeout=httpx.Timeout(60.0, connect=5.0)) as http:
         yield http

@@ -1,8 +1,8 @@
 """Fakes of what an ETL pod talks to: the AIS target's ETL object endpoint and a next ETL stage.
 
 ``FakeTarget`` behaves like ``/v1/etl/_object/<etl>/<secret>/<PathEscape(uname)>`` on an AIS target
-(contract doc sections 2.3 and 4.2): hpull fetches (GET) are served from an in-memory dict, direct
-puts (PUT) are recorded in full and answered ``200`` with an empty body. The uname must arrive as
+(contract doc sections 2.3 and 4.2): hpull fetches (GET) and size checks (HEAD) are served from an
+in-memory dict, direct puts (PUT) are recorded in full and answered ``200`` with an empty body. The uname must arrive as
 **one** path segment, so the raw path is read from ``scope["raw_path"]`` (the decoded ``path`` would
 hide a pod that unescaped ``%2F``). ``FakeStage`` is the next ETL of a pipeline: it records the PUT
 it gets and answers ``200`` + bytes or ``204``.
@@ -110,15 +110,19 @@ class _Recorder:
             time.sleep(0.02)
 
     async def answer(self, send: Send, entry: Recorded, fault: Fault | None, status: int, body: bytes,
-                     headers: dict[str, str] | None = None) -> None:
-        """Send ``status`` + ``body`` unless ``fault`` says otherwise; stall and drop as told."""
+                     headers: dict[str, str] | None = None, size: int | None = None) -> None:
+        """Send ``status`` + ``body`` unless ``fault`` says otherwise; stall and drop as told.
+
+        ``size`` is the Content-Length of a HEAD answer (which has no body).
+        """
         if fault is not None:
             if fault.stall:
                 await asyncio.sleep(fault.stall)
             if fault.status != 200 or fault.body or fault.headers:
-                status, body, headers = fault.status, fault.body, fault.headers
+                status, body, headers, size = fault.status, fault.body, fault.headers, None
+        length = len(body) if size is None else size
         # RFC 9110: no Content-Length (and no body) on 204.
-        header_list = [] if status == 204 else [(b"content-length", str(len(body)).encode())]
+        header_list = [] if status == 204 else [(b"content-length", str(length).encode())]
         header_list += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
         entry.answered_at = time.monotonic()
         await send({"type": "http.response.start", "status": status, "headers": header_list})
@@ -244,9 +248,11 @@ class FakeTarget(_Recorder):
                 return
             uname = unquote(parts[6])
             fault = self.fault_for(uname)
-            if entry.method == "GET":
+            if entry.method in ("GET", "HEAD"):
                 if uname not in self.objects:
                     await self.answer(send, entry, fault, 404, f"object {uname} does not exist".encode())
+                elif entry.method == "HEAD":  # the object's size from metadata, no body
+                    await self.answer(send, entry, fault, 200, b"", size=len(self.objects[uname]))
                 else:
                     await self.answer(send, entry, fault, 200, self.objects[uname])
                 return

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
-import pytest
 
 from tests.shardgen import imagenet_like_members, make_tar, read_tar
 
-from .conftest import AisDisk, transformer_env
+from .conftest import AisDisk
 from .fake_ais import FakeTarget, Fault
-from .harness import Service, args_query, escaped_uname, fqn_query, start_transformer, uname
+from .harness import Service, args_query, escaped_uname, fqn_query, uname
 from .outputs import assert_transformed, image_shard, plain_members
 
 
@@ -92,14 +89,6 @@ def test_fake_target_refuses_a_wrong_secret_and_a_split_uname(target: FakeTarget
     assert httpx.get(f"{base}/WRONG/{escaped_uname('a', 'b')}").status_code == 403
     assert httpx.get(f"{base}/{target.secret}/ais/@%23/a/b").status_code == 400
     assert httpx.get(f"{base}/{target.secret}/{escaped_uname('a', 'b')}").content == b"x"
-
-
-@pytest.fixture(scope="module")
-def impatient(target: FakeTarget, disk: AisDisk, logs: Path) -> Iterator[Service]:
-    """A second service whose obj_timeout is 2 s, for the timeout contract."""
-    server = start_transformer("transformer-2s", logs, transformer_env(target, disk, ETL_OBJ_TIMEOUT="2s"))
-    yield server
-    server.stop()
 
 
 def test_hpull_fetch_stalled_past_obj_timeout_is_504(impatient: Service, target: FakeTarget) -> None:

@@ -11,7 +11,8 @@ import pytest
 from tests.shardgen import imagenet_like_members, jpeg_bytes, make_tar, read_tar
 
 from .conftest import AisDisk
-from .harness import args_query, fqn_query
+from .fake_ais import FakeTarget
+from .harness import args_query, fqn_query, uname
 from .outputs import (
     ERROR_MANIFEST,
     assert_transformed,
@@ -238,3 +239,17 @@ def test_hpush_empty_output_is_200_not_204(client: httpx.Client) -> None:
     response = client.put("/train/empty.tar", content=make_tar([]))
     assert response.status_code == 200
     assert read_tar(response.content) == []
+
+
+def test_hpush_fqn_of_a_chunked_object_reads_the_whole_object(client: httpx.Client, disk: AisDisk,
+                                                              target: FakeTarget) -> None:
+    # For a chunked AIS object only chunk #1 lives at the FQN (contract 2.1, 11 item 7): the file is
+    # shorter than the object. The service must notice (the target knows the size) and not
+    # transform a truncated shard.
+    inputs = imagenet_like_members(4)
+    shard = make_tar(inputs)
+    fqn = disk.put("train", "chunked.tar", shard[: len(shard) // 2])
+    target.objects[uname("train", "chunked.tar")] = shard
+    response = client.put(f"/train/chunked.tar?{fqn_query(fqn)}", content=b"")
+    assert response.status_code == 200, response.text
+    assert_transformed(inputs, response.content)

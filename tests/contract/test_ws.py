@@ -1,0 +1,186 @@
+"""ws: ``/ws`` with a Binary JSON control message [+ Binary content], one reply per request, FIFO (2.4, 4.5).
+
+A Binary reply carries bytes; a Text reply means "delivered by direct put" and nothing else, since AIS
+treats any Text as success. So an error must never be a Text reply: the server closes the socket with
+1011, or (remote destination) replies Binary so AIS records an object error.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import ClientConnection, connect
+
+from tests.shardgen import imagenet_like_members, make_tar, read_tar
+
+from .conftest import AisDisk
+from .fake_ais import FakeStage, FakeTarget, Fault, go_path_escape, unused_port
+from .harness import Service, escaped_uname
+from .outputs import assert_transformed, image_shard, plain_members, plain_shard
+
+REPLY_TIMEOUT = 60.0
+
+
+@contextmanager
+def ws_session(service: Service) -> Iterator[ClientConnection]:
+    # Like the target's gorilla DefaultDialer: no subprotocol, no compression, large messages.
+    with connect(f"ws://127.0.0.1:{service.port}/ws", max_size=None, compression=None, open_timeout=10,
+                 close_timeout=5) as ws:
+        yield ws
+
+
+def control(path: str, fqn: str | None = None, etl_args: str | None = None, pipeline: str | None = None) -> bytes:
+    message: dict[str, str] = {"path": path}
+    if fqn is not None:
+        message["fqn"] = go_path_escape(fqn)  # single-encoded inside the JSON (section 2.1)
+    if etl_args is not None:
+        message["etl_args"] = etl_args
+    if pipeline is not None:
+        message["pipeline"] = pipeline
+    return json.dumps(message).encode()
+
+
+def request(ws: ClientConnection, path: str, shard: bytes | None = None, **fields: str) -> None:
+    ws.send(control(path, **fields))  # bytes -> a Binary frame
+    if shard is not None:
+        ws.send(shard)
+
+
+def test_ws_fqn_control_message_gets_one_binary_reply(service: Service, client: httpx.Client,
+                                                      disk: AisDisk) -> None:
+    shard = image_shard(3)
+    fqn = disk.put("train", "ws dir/ws-fqn.tar", shard)
+    inline = client.put("/train/ws dir/ws-fqn.tar", content=shard)
+    with ws_session(service) as ws:
+        request(ws, "ws dir/ws-fqn.tar", fqn=fqn)  # no content frame when fqn is present
+        reply = ws.recv(timeout=REPLY_TIMEOUT)
+    assert isinstance(reply, bytes)
+    assert reply == inline.content
+
+
+def test_ws_content_frame_follows_a_control_message_without_fqn(service: Service) -> None:
+    inputs = imagenet_like_members(2)
+    with ws_session(service) as ws:
+        request(ws, "ws-body.tar", make_tar(inputs))
+        reply = ws.recv(timeout=REPLY_TIMEOUT)
+    assert isinstance(reply, bytes)
+    assert_transformed(inputs, reply)
+
+
+def test_ws_etl_args_from_the_control_message(service: Service) -> None:
+    inputs = imagenet_like_members(2)
+    with ws_session(service) as ws:
+        request(ws, "ws-args.tar", make_tar(inputs), etl_args='{"dtype": "uint8", "layout": "HWC"}')
+        reply = ws.recv(timeout=REPLY_TIMEOUT)
+    assert_transformed(inputs, reply, dtype="uint8", shape=(224, 224, 3))
+
+
+def test_ws_replies_in_fifo_order_when_requests_are_pipelined(service: Service, disk: AisDisk) -> None:
+    # A slow request first, quick ones behind it: replies must still come back in request order.
+    requests = [
+        ("fifo-0.tar", make_tar(imagenet_like_members(8, extra=False))),
+        ("fifo-1.tar", plain_shard(1, "one")),
+        ("fifo-2.tar", plain_shard(2, "two")),
+        ("fifo-3.tar", make_tar(imagenet_like_members(1))),
+    ]
+    fqn = disk.put("train", "fifo-2.tar", requests[2][1])
+    with ws_session(service) as ws:
+        for name, shard in requests:
+            if name == "fifo-2.tar":
+                request(ws, name, fqn=fqn)
+            else:
+                request(ws, name, shard)
+        replies = [ws.recv(timeout=REPLY_TIMEOUT) for _ in requests]
+    assert all(isinstance(r, bytes) for r in replies)
+    assert len(read_tar(replies[0])) == 16
+    assert read_tar(replies[1]) == plain_members(1, "one")
+    assert read_tar(replies[2]) == plain_members(2, "two")
+    assert_transformed(imagenet_like_members(1), replies[3])
+
+
+def test_ws_direct_put_reply_is_text_only_after_the_destinations_200(service: Service, client: httpx.Client,
+                                                                     dest_target: FakeTarget) -> None:
+    shard = image_shard(2)
+    inline = client.put("/train/ws-dp.tar", content=shard)
+    entry = f"{dest_target.base_url}/{escaped_uname('dst', 'ws-dp.tar')}?owt=3&uuid=tcb-ws"
+    dest_target.set_fault("*", Fault(stall=1.0))
+    with ws_session(service) as ws:
+        request(ws, "ws-dp.tar", shard, pipeline=entry)
+        reply = ws.recv(timeout=REPLY_TIMEOUT)
+        replied = time.monotonic()
+    assert isinstance(reply, str)  # Text = delivered by direct put
+    (put,) = dest_target.recorded("PUT")
+    assert put.answered_at and put.answered_at <= replied
+    assert put.raw_path == f"{dest_target.etl_path}/{escaped_uname('dst', 'ws-dp.tar')}"
+    assert put.query_pairs[:2] == [("owt", "3"), ("uuid", "tcb-ws")]
+    assert put.body == inline.content
+
+
+def test_ws_stage_pipeline_relays_the_stages_bytes_as_binary(service: Service, stage: FakeStage) -> None:
+    inputs = plain_members(2, "staged")
+    with ws_session(service) as ws:
+        request(ws, "ws-stage.tar", make_tar(inputs), pipeline=stage.base_url)
+        reply = ws.recv(timeout=REPLY_TIMEOUT)
+    (put,) = stage.recorded("PUT")
+    assert isinstance(reply, bytes)
+    assert reply == b"stage:" + put.body
+    assert read_tar(put.body) == inputs
+
+
+def _assert_error_is_not_text(ws: ClientConnection, allow_binary: bool) -> None:
+    try:
+        reply = ws.recv(timeout=REPLY_TIMEOUT)
+    except ConnectionClosed as closed:
+        assert closed.rcvd is not None and closed.rcvd.code == 1011, f"closed with {closed.rcvd}"
+        return
+    assert not isinstance(reply, str), f"an error became a Text reply (AIS would count it as delivered): {reply!r}"
+    assert allow_binary, "an error became a Binary reply (AIS would store it as the object)"
+
+
+def test_ws_corrupt_shard_under_fail_is_never_a_text_reply(service: Service) -> None:
+    members = imagenet_like_members(2, extra=False)
+    members[0] = (members[0][0], members[0][1][:200])  # a broken JPEG
+    with ws_session(service) as ws:
+        request(ws, "ws-corrupt.tar", make_tar(members), etl_args='{"on_error": "fail"}')
+        _assert_error_is_not_text(ws, allow_binary=False)
+
+
+def test_ws_unreadable_shard_is_never_a_text_reply(service: Service) -> None:
+    with ws_session(service) as ws:
+        request(ws, "ws-garbage.tar", b"definitely not a tar" * 64)
+        _assert_error_is_not_text(ws, allow_binary=False)
+
+
+def test_ws_invalid_etl_args_is_never_a_text_reply(service: Service) -> None:
+    with ws_session(service) as ws:
+        request(ws, "ws-bad-args.tar", image_shard(1), etl_args='{"dtype": "int7"}')
+        _assert_error_is_not_text(ws, allow_binary=False)
+
+
+def test_ws_unreachable_destination_is_never_a_text_reply(impatient: Service) -> None:
+    entry = f"http://127.0.0.1:{unused_port()}/{escaped_uname('dst', 'ws-nowhere.tar')}?owt=3&uuid=tcb-ws"
+    with ws_session(impatient) as ws:
+        request(ws, "ws-nowhere.tar", image_shard(1), pipeline=entry)
+        # Remote destination: a Binary reply makes AIS record an object error (section 4.5).
+        _assert_error_is_not_text(ws, allow_binary=True)
+
+
+def test_ws_destination_refusal_is_never_a_text_reply(service: Service, dest_target: FakeTarget) -> None:
+    dest_target.set_fault("*", Fault(status=507, body=b"above high watermark"))
+    entry = f"{dest_target.base_url}/{escaped_uname('dst', 'ws-full.tar')}?owt=3&uuid=tcb-ws"
+    with ws_session(service) as ws:
+        request(ws, "ws-full.tar", image_shard(1), pipeline=entry)
+        _assert_error_is_not_text(ws, allow_binary=True)
+
+
+def test_ws_one_connection_carries_request_after_request(service: Service) -> None:
+    # The target keeps a fixed set of connections open; each one carries many objects in turn.
+    with ws_session(service) as ws:
+        for i in range(3):
+            request(ws, f"again-{i}.tar", plain_shard(1, str(i)))
+            assert read_tar(ws.recv(timeout=REPLY_TIMEOUT)) == plain_members(1, str(i))
