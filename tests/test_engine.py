@@ -322,7 +322,7 @@ def test_cancel_stops_the_work_promptly_and_releases_slots(
         with pytest.raises(Cancelled, match="'s'"):
             for _ in chunks:
                 pass
-        assert time.monotonic() - started < 1.0
+        assert time.monotonic() - started < 1.5  # the rest of the shard would take over 2 s
         assert all_slots_free(pool, 4)
         calls = stats["calls"]
         time.sleep(0.3)
@@ -377,12 +377,12 @@ def test_closing_the_output_cancels_pending_samples(monkeypatch: pytest.MonkeyPa
 
 def test_deadline(monkeypatch: pytest.MonkeyPatch, pool: TransformPool, make_options: MakeOptions) -> None:
     slow_transforms(monkeypatch, 0.1)
-    members = [(f"k{i:02d}.jpg", jpeg_bytes(i, SMALL)) for i in range(40)]
+    members = [(f"k{i:02d}.jpg", jpeg_bytes(i, SMALL)) for i in range(60)]  # 3 s of work on 2 workers
     started = time.monotonic()
     with pytest.raises(TransformerError) as info:
         b"".join(transform_shard(io.BytesIO(make_tar(members)), make_options(), pool, shard="late.tar",
                                  object_name="late.tar", window=4, deadline=time.monotonic() + 0.4))
-    assert 0.35 < time.monotonic() - started < 1.5
+    assert 0.35 < time.monotonic() - started < 2.5
     assert "late.tar" in info.value.message and "timeout" in info.value.message
     assert all_slots_free(pool, 8)
 
