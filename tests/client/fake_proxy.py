@@ -84,6 +84,7 @@ class FakeProxy:
         self.etls: dict[str, FakeEtl] = {}
         self.buckets: set[str] = set()
         self.dsort_jobs: dict[str, dict[str, Any]] = {}
+        self.dsort_error: str | None = None  # set to make the next dSort job abort with this error
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -135,8 +136,13 @@ class FakeProxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 raw = self.rfile.read(length) if length else b""
                 body: Any = raw
-                if self.headers.get("Content-Type", "").startswith("application/json") and raw:
-                    body = json.loads(raw)
+                # The SDK labels every request application/json, object PUTs too: only control paths are JSON.
+                is_data = parts.path.startswith(("/v1/objects/", "/_target/"))
+                if raw and not is_data and self.headers.get("Content-Type", "").startswith("application/json"):
+                    try:
+                        body = json.loads(raw)
+                    except ValueError:
+                        body = raw
                 record = Recorded(self.command, parts.path, parse_qs(parts.query, keep_blank_values=True), body,
                                   dict(self.headers))
                 with proxy._lock:
@@ -146,6 +152,9 @@ class FakeProxy:
                 except ContractViolation as exc:
                     proxy.problems.append(f"{record.method} {record.path}: {exc}")
                     self.reply(400, str(exc).encode())
+                except Exception as exc:  # a bug of the fake: visible in problems, never an SDK retry loop (5xx)
+                    proxy.problems.append(f"{record.method} {record.path}: fake proxy failed: {exc!r}")
+                    self.reply(400, repr(exc).encode())
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _dispatch
 
@@ -392,19 +401,20 @@ class FakeProxy:
         if shard:
             self.put_object(out_bucket, next(names) + spec["output_extension"], _tar(shard))
         job = "srt-" + uuid.uuid4().hex[:8]
+        aborted, errors = self.dsort_error is not None, [self.dsort_error] if self.dsort_error else []
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         phase = {"started_time": now, "end_time": now, "elapsed": 1, "running": False, "finished": True}
         self.dsort_jobs[job] = {
             "id": job, "src-bck": spec["input_bck"], "dst-bck": spec.get("output_bck", spec["input_bck"]),
             "started_time": now, "finish_time": now, "loc-objs": str(len(records)), "loc-bytes": "0",
-            "aborted": False, "archived": True,
+            "aborted": aborted, "archived": True,
             "Metrics": {
                 "local_extraction": {**phase, "total_count": str(len(inputs)), "extracted_count": str(len(inputs)),
                                      "extracted_size": "0", "extracted_record_count": str(len(records)),
                                      "extracted_to_disk_count": "0", "extracted_to_disk_size": "0"},
                 "meta_sorting": phase,
                 "shard_creation": {**phase, "to_create": "0", "created_count": "0", "moved_shard_count": "0"},
-                "aborted": False, "errors": [],
+                "aborted": aborted, "errors": errors,
             },
         }
         h.reply(200, job.encode())

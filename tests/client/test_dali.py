@@ -1,0 +1,118 @@
+"""The DALI feeder: its generator logic without DALI, and a real CPU-only DALI pipeline when installed."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from transformer.client.dali import EtlBatchSource, buffered_shuffle, collect_batches, pad_last_batch
+
+from .test_loader import write_shards
+
+
+@given(st.lists(st.integers(), max_size=60), st.integers(1, 20), st.integers(0, 2**32))
+def test_buffered_shuffle_yields_each_item_once(items: list[int], size: int, seed: int) -> None:
+    assert sorted(buffered_shuffle(items, size, random.Random(seed))) == sorted(items)
+
+
+def test_buffered_shuffle_is_seeded_and_shuffles() -> None:
+    items = list(range(100))
+    first = list(buffered_shuffle(items, 16, random.Random(1)))
+    assert first == list(buffered_shuffle(items, 16, random.Random(1)))
+    assert first != items and first != list(buffered_shuffle(items, 16, random.Random(2)))
+    with pytest.raises(ValueError):
+        list(buffered_shuffle(items, 0, random.Random(1)))
+
+
+@pytest.mark.parametrize(("count", "padded"), [(0, 0), (4, 4), (5, 8), (7, 8)])
+def test_pad_last_batch_repeats_the_last_item(count: int, padded: int) -> None:
+    out = list(pad_last_batch(range(count), 4))
+    assert len(out) == padded and out[:count] == list(range(count))
+    assert all(x == count - 1 for x in out[count:])
+
+
+def test_collect_batches_transposes_samples() -> None:
+    samples = [(np.full(2, i), np.asarray(i)) for i in range(5)]
+    batches = list(collect_batches(samples, 2))
+    assert [len(b[0]) for b in batches] == [2, 2, 1]
+    assert [int(x) for x in batches[0][1]] == [0, 1] and len(batches[0]) == 2
+
+
+def test_batch_source_epochs_shards_and_padding(tmp_path: Path) -> None:
+    urls = write_shards(tmp_path, 4, 5)
+    source = EtlBatchSource(urls, 6, keys=("npy", "cls"), random_shuffle=True, initial_fill=8, seed=3,
+                            pad_last_batch=True)
+    first = [int(label) for batch in source for label in batch[1]]
+    second = [int(label) for batch in source for label in batch[1]]
+    assert len(first) == len(second) == 24  # 20 samples padded to 4 batches of 6
+    assert sorted(set(first)) == sorted(set(second)) == list(range(20))
+    assert first != second  # each iter() is a new epoch with a new shuffle
+    halves = [{int(label) for batch in EtlBatchSource(urls, 4, shard_id=i, num_shards=2) for label in batch[1]}
+              for i in range(2)]
+    assert not halves[0] & halves[1] and halves[0] | halves[1] == set(range(20))
+    image, label = next(iter(EtlBatchSource(urls, 2)))
+    assert image[0].shape == (3, 4, 4) and label[0].dtype == np.int64 and label[0].shape == ()
+
+
+dali = pytest.importorskip("nvidia.dali", reason="DALI (the dali extra) is not installed")
+
+
+def build(urls: list[str], batch_size: int, **kwargs):
+    import nvidia.dali.fn as fn
+
+    from transformer.client import read_etl_shards
+
+    @dali.pipeline_def(batch_size=batch_size, num_threads=1, device_id=None)  # CPU-only mode: no GPU needed
+    def pipeline():
+        images, labels = read_etl_shards(urls, keys=("npy", "cls"), **kwargs)
+        return fn.cast(images, dtype=dali.types.FLOAT) * 2, labels
+
+    pipe = pipeline()
+    pipe.build()
+    return pipe
+
+
+def run_epoch(pipe) -> list[tuple[np.ndarray, int]]:
+    seen = []
+    for _ in range(100):  # bounded: an epoch here is a handful of batches
+        try:
+            images, labels = pipe.run()
+        except StopIteration:
+            return seen
+        seen += [(np.array(images[i]), int(np.array(labels[i]))) for i in range(len(labels))]
+    raise AssertionError("cycle='raise' never ended the epoch")
+
+
+def test_dali_pipeline_raise_ends_each_epoch(tmp_path: Path) -> None:
+    urls = write_shards(tmp_path, 3, 5)
+    pipe = build(urls, 4, random_shuffle=True, initial_fill=6, seed=1, cycle="raise")
+    first = run_epoch(pipe)
+    assert sorted(label for _, label in first) == list(range(15))
+    assert all(np.array_equal(image, np.full((3, 4, 4), 2.0 * label, np.float32)) for image, label in first)
+    pipe.reset()
+    second = run_epoch(pipe)
+    assert sorted(label for _, label in second) == list(range(15))
+    assert [label for _, label in first] != [label for _, label in second]
+
+
+def test_dali_pipeline_pads_the_last_batch_and_quiet_cycles(tmp_path: Path) -> None:
+    urls = write_shards(tmp_path, 1, 6)
+    padded = build(urls, 4, pad_last_batch=True, cycle="raise")
+    sizes = []
+    for _ in range(5):
+        try:
+            sizes.append(len(padded.run()[1]))
+        except StopIteration:
+            break
+    assert sizes == [4, 4]  # 6 samples padded to 8
+    quiet = build(urls, 4, pad_last_batch=True, cycle="quiet")
+    labels = []
+    for _ in range(4):
+        _, batch = quiet.run()
+        labels += [int(np.array(batch[i])) for i in range(len(batch))]
+    assert labels == [0, 1, 2, 3, 4, 5, 5, 5] * 2  # epochs follow each other without StopIteration
