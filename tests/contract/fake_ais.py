@@ -47,6 +47,8 @@ class Fault:
     headers: dict[str, str] = field(default_factory=dict)
     stall: float = 0.0  # seconds to wait before answering
     drop_after: int | None = None  # close the connection after this many body bytes (mid-body reset)
+    reset: bool = False  # abort the connection instead of answering (after reading the request)
+    times: int | None = None  # misbehave for the first N matching requests only; None = always
 
 
 @dataclass
@@ -89,8 +91,15 @@ class _Recorder:
             self.faults[key] = fault
 
     def fault_for(self, key: str) -> Fault | None:
+        """The fault for this request, counting it against ``times``."""
         with self._lock:
-            return self.faults.get(key, self.faults.get("*"))
+            fault = self.faults.get(key, self.faults.get("*"))
+            if fault is None or fault.times is None:
+                return fault
+            if fault.times <= 0:
+                return None
+            fault.times -= 1
+            return fault
 
     def record(self, entry: Recorded) -> None:
         with self._lock:
@@ -110,14 +119,21 @@ class _Recorder:
             time.sleep(0.02)
 
     async def answer(self, send: Send, entry: Recorded, fault: Fault | None, status: int, body: bytes,
-                     headers: dict[str, str] | None = None, size: int | None = None) -> None:
-        """Send ``status`` + ``body`` unless ``fault`` says otherwise; stall and drop as told.
+                     headers: dict[str, str] | None = None, size: int | None = None,
+                     receive: Receive | None = None) -> None:
+        """Send ``status`` + ``body`` unless ``fault`` says otherwise; stall, drop or reset as told.
 
         ``size`` is the Content-Length of a HEAD answer (which has no body).
         """
         if fault is not None:
             if fault.stall:
                 await asyncio.sleep(fault.stall)
+            if fault.reset and receive is not None:
+                # ASGI has no "drop the connection"; uvicorn's receive is a bound method of the
+                # request cycle, which holds the transport. Aborting it is a reset without an answer.
+                entry.answered_at = time.monotonic()
+                receive.__self__.transport.abort()
+                return
             if fault.status != 200 or fault.body or fault.headers:
                 status, body, headers, size = fault.status, fault.body, fault.headers, None
         length = len(body) if size is None else size
@@ -254,10 +270,11 @@ class FakeTarget(_Recorder):
                 elif entry.method == "HEAD":  # the object's size from metadata, no body
                     await self.answer(send, entry, fault, 200, b"", size=len(self.objects[uname]))
                 else:
-                    await self.answer(send, entry, fault, 200, self.objects[uname])
+                    await self.answer(send, entry, fault, 200, self.objects[uname], receive=receive)
                 return
             if entry.method == "PUT":
-                await self.answer(send, entry, fault, 200, b"")  # success = 200, empty body (section 4.2)
+                # Success = 200 with an empty body (section 4.2).
+                await self.answer(send, entry, fault, 200, b"", receive=receive)
                 return
             await self.answer(send, entry, None, 405, b"method not allowed")
             return
@@ -306,11 +323,12 @@ class FakeStage(_Recorder):
         if entry.method != "PUT":
             await self.answer(send, entry, fault, 405, b"stage accepts PUT only")
         elif self.reply == "delivered":
-            await self.answer(send, entry, fault, 204, b"", {"Ais-Direct-Put-Length": str(len(entry.body))})
+            await self.answer(send, entry, fault, 204, b"", {"Ais-Direct-Put-Length": str(len(entry.body))},
+                              receive=receive)
         elif self.reply == "bytes":
-            await self.answer(send, entry, fault, 200, self.payload)
+            await self.answer(send, entry, fault, 200, self.payload, receive=receive)
         else:
-            await self.answer(send, entry, fault, 200, self.prefix + entry.body)
+            await self.answer(send, entry, fault, 200, self.prefix + entry.body, receive=receive)
 
 
 def unused_port() -> int:

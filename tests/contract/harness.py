@@ -59,7 +59,7 @@ class Service:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self._log = open(self.log_path, "wb")  # closed in stop()
         self.process = subprocess.Popen(command, env=env, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_healthy(self, timeout: float) -> Service:
