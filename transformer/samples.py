@@ -82,7 +82,9 @@ def transform_sample(sample: Sample, options: TransformOptions, shard: str, obje
 
     seed = sample_seed(options.seed, options.epoch, object_name, sample.key)
     try:
-        outputs = options.pipeline.apply(inputs, seed)
+        # Intermediate canvases get the decode limit, but never less than 4096 x 4096: a small
+        # ETL_MAX_IMAGE_PIXELS (meant for inputs) must not refuse ordinary 224 x 224 outputs.
+        outputs = options.pipeline.apply(inputs, seed, max(options.max_image_pixels, 4096 * 4096))
     except SampleError:
         raise
     except Exception as exc:  # a transform rejected this input (e.g. crop larger than the image)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import yaml
+from torchvision import tv_tensors
 from torchvision.transforms import InterpolationMode, v2
 from torchvision.transforms.v2._transform import _RandomApplyTransform
 
@@ -100,8 +101,13 @@ class Pipeline:
         """The canonical spec, as JSON-able data (used in logs and the error manifest)."""
         return [{name: json.loads(kwargs)} for name, kwargs in self.steps]
 
-    def apply(self, inputs: list[Any], seed: int) -> list[Any]:
-        """Run every step jointly over a sample's tv_tensors (images and masks share each draw)."""
+    def apply(self, inputs: list[Any], seed: int, max_pixels: int | None = None) -> list[Any]:
+        """Run every step jointly over a sample's tv_tensors (images and masks share each draw).
+
+        With ``max_pixels``, a step that would produce a larger canvas is refused before it allocates
+        anything (``ValueError``): an ordinary ``Resize(256)`` of a 1 x 100000 image, or a huge ``Pad``
+        or ``CenterCrop``, would otherwise ask for gigabytes and get the pod OOM-killed.
+        """
         flat = list(inputs)
         for index, transform in enumerate(self.transforms):
             with _RNG_LOCK:
@@ -109,8 +115,22 @@ class Pipeline:
                 decision = _decide(transform, flat)
             if decision is not None:
                 needs, params = decision
+                if max_pixels is not None and flat:
+                    _check_canvas(transform, params, flat[0], max_pixels)
                 flat = [transform.transform(x, params) if need else x for x, need in zip(flat, needs)]
         return flat
+
+
+def _check_canvas(transform: v2.Transform, params: dict[str, Any], first: Any, max_pixels: int) -> None:
+    """Predict the step's output size on a one-box ``BoundingBoxes`` (metadata only, no pixels)."""
+    height, width = first.shape[-2:]
+    probe = tv_tensors.BoundingBoxes(torch.zeros(1, 4), format="XYXY", canvas_size=(height, width))
+    out_height, out_width = transform.transform(probe, params).canvas_size
+    if out_height * out_width > max_pixels:
+        raise ValueError(
+            f"{type(transform).__name__} would turn {height}x{width} into {out_height}x{out_width} = "
+            f"{out_height * out_width} pixels, over the limit of {max_pixels} (ETL_MAX_IMAGE_PIXELS)"
+        )
 
 
 def _decide(transform: v2.Transform, flat: list[Any]) -> tuple[list[bool], dict[str, Any]] | None:
