@@ -86,7 +86,8 @@ def test_shard_limits(tmp_path: Path) -> None:
     assert report.samples == 6 and report.not_written == 4
     assert [Path(p).name for p in report.shards] == [f"shard-00000{i}.tar" for i in range(3)]
     assert sorted(p.name for p in out.iterdir()) == [Path(p).name for p in report.shards]
-    sized = convert(root, layout="pets", output_dir=tmp_path / "sized", max_bytes=1, progress=False)
+    sized = convert(root, layout="pets", output_dir=tmp_path / "@ais" / "b" / "%ob", max_bytes=1, progress=False)
+    assert Path(sized.shards[0]) == tmp_path / "@ais" / "b" / "%ob" / "shard-000000.tar"  # '%' in the folder
     assert len(sized.shards) == sized.samples == 10  # max_bytes reached after every sample
 
 

@@ -258,8 +258,9 @@ def convert(
             sample["cls"] = record.label
             if writer is None:
                 # Created lazily: ShardWriter opens its first file at once, even if nothing follows.
-                writer = ShardWriter(str(folder / pattern), maxcount=max_samples, maxsize=max_bytes,
-                                     post=finished, verbose=0)
+                # The folder's own '%' (an AIS mountpath has '%ob') must not reach ShardWriter's `pattern % n`.
+                writer = ShardWriter(str(folder).replace("%", "%%") + "/" + pattern, maxcount=max_samples,
+                                     maxsize=max_bytes, post=finished, verbose=0)
             writer.write(sample)
             report.samples += 1
             report.bytes += sum(len(v) for k, v in sample.items() if isinstance(v, bytes))
