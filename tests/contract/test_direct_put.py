@@ -12,7 +12,7 @@ from tests.shardgen import imagenet_like_members, make_tar, read_tar
 
 from .conftest import AisDisk
 from .fake_ais import FakeStage, FakeTarget, Fault, unused_port
-from .harness import Service, args_query, escaped_uname, fqn_query
+from .harness import Service, args_query, escaped_uname, fqn_query, uname
 from .outputs import assert_transformed, image_shard
 
 NODE_URL = "Ais-Node-Url"
@@ -227,3 +227,24 @@ def test_empty_ais_node_url_means_no_pipeline(client: httpx.Client) -> None:
     response = client.put("/src/no-hop.tar", content=image_shard(1), headers={NODE_URL: ""})
     assert response.status_code == 200
     assert read_tar(response.content)
+
+
+def test_errors_never_reveal_the_etl_secret(client: httpx.Client, impatient: Service, target: FakeTarget,
+                                            dest_target: FakeTarget) -> None:
+    # The secret in AIS_TARGET_URL guards pod->target object I/O (contract 1); error bodies end up in
+    # `ais etl show errors` for any user to read, so URLs in them must not carry it.
+    unreachable = f"http://127.0.0.1:{unused_port()}/{escaped_uname('dst', 'leak.tar')}?owt=3"
+    target.set_fault(uname("src", "leak-503.tar"), Fault(status=503, body=b"busy"))
+    target.objects[uname("src", "leak-503.tar")] = image_shard(1)
+    dest_target.set_fault("*", Fault(stall=6.0))
+    answers = [
+        client.get(f"/{escaped_uname('src', 'leak-missing.tar')}"),
+        client.get(f"/{escaped_uname('src', 'leak-503.tar')}"),
+        httpx.put(f"{impatient.url}/src/leak.tar", content=image_shard(1), headers={NODE_URL: unreachable},
+                  timeout=20),
+        httpx.put(f"{impatient.url}/src/leak-stall.tar", content=image_shard(1), timeout=20,
+                  headers={NODE_URL: destination(dest_target, "leak-stall.tar")}),
+    ]
+    for response in answers:
+        assert response.status_code >= 400
+        assert target.secret not in response.text, response.text
