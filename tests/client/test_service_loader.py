@@ -134,3 +134,23 @@ def test_prefetcher_normalizes_uint8_batches_from_the_service(served_proxy: Fake
         assert image.dtype == torch.float32
         # uint8 over the wire + normalize on the device == the service's own float32 normalization
         torch.testing.assert_close(image, served[label], atol=1e-5, rtol=1e-5)
+
+
+def test_converted_pets_load_with_their_trimaps(served_proxy: FakeProxy, tmp_path) -> None:
+    from transformer.client import convert
+
+    from .test_convert import make_pets
+
+    complete = make_pets(tmp_path / "pets")
+    client = registered(served_proxy)
+    bucket = "p" + uuid.uuid4().hex[:8]
+    report = convert(tmp_path / "pets", layout="pets", bucket=client.bucket(bucket).create(), prefix="pets/",
+                     max_samples=3, progress=False)
+    urls = shard_urls(client, bucket, "wds-etl", prefix="pets/", etl_args=SMALL)
+    loader = make_loader(urls, 4, keys=("image.npy", "cls", "trimap.npy", "__key__"), num_workers=2)
+    seen = {}
+    for images, labels, trimaps, keys in loader:
+        assert images.shape[1:] == (3, 32, 32) and trimaps.shape[1:] == (32, 32)
+        assert trimaps.dtype == torch.uint8 and set(trimaps.unique().tolist()) <= {1, 2, 3}
+        seen.update(zip(keys, labels.tolist()))
+    assert seen == complete and report.samples == len(complete)
