@@ -126,8 +126,8 @@ class EpochUrls:
     """Shard URLs whose ``etl_args`` carry the epoch, so each epoch gets new augmentation draws.
 
     Calling it with an epoch returns the URLs for that epoch. ``seed`` (kept in every epoch) makes
-    the draws reproducible; without one, ``base_seed`` is drawn once here so that all ranks and
-    workers of one run still agree. Picklable, so DataLoader workers can call it.
+    the draws reproducible across runs; without one a seed is drawn once here, in this process, and
+    its DataLoader workers inherit it. Picklable, so the workers can call it.
     """
 
     urls: tuple[str, ...]
