@@ -24,6 +24,7 @@ def test_defaults_match_the_variables_table() -> None:
     assert (settings.workers, settings.window, settings.max_inflight) == (3, 8, 16)
     assert settings.obj_timeout == 300.0
     assert settings.max_member_bytes == 256 * 2**20 and settings.max_image_pixels == 100_000_000
+    assert settings.max_shard_bytes == 16 * 2**30
     assert settings.fqn_roots == () and settings.error_manifest is True
     assert (settings.keepalive, settings.host, settings.port, settings.log_level) == (75, "0.0.0.0", 8000, "info")
     assert settings.ais_target_url == ""
@@ -44,6 +45,7 @@ def test_every_variable_is_read() -> None:
         "ETL_MAX_INFLIGHT": "9",
         "ETL_OBJ_TIMEOUT": "1m30s",
         "ETL_MAX_MEMBER_BYTES": "1024",
+        "ETL_MAX_SHARD_BYTES": "1048576",
         "ETL_MAX_IMAGE_PIXELS": "4096",
         "ETL_FQN_ROOTS": "/ais/mp1, /ais/mp2/../mp3,",
         "ETL_ERROR_MANIFEST": "No",
@@ -61,7 +63,7 @@ def test_every_variable_is_read() -> None:
     assert s.image_exts == {"jpg", "png", "tif"} and s.mask_exts == {"label.png"}
     assert (s.workers, s.window, s.max_inflight) == (5, 3, 9)
     assert s.obj_timeout == 90.0
-    assert (s.max_member_bytes, s.max_image_pixels) == (1024, 4096)
+    assert (s.max_member_bytes, s.max_shard_bytes, s.max_image_pixels) == (1024, 2**20, 4096)
     assert s.fqn_roots == (os.path.realpath("/ais/mp1"), os.path.realpath("/ais/mp3"))
     assert s.error_manifest is False
     assert (s.keepalive, s.host, s.port, s.log_level) == (7, "127.0.0.1", 8123, "debug")
@@ -110,6 +112,8 @@ def test_window_and_inflight_default_from_workers() -> None:
         ("ETL_OBJ_TIMEOUT", "nan"),
         ("ETL_MAX_MEMBER_BYTES", "0"),
         ("ETL_MAX_MEMBER_BYTES", "1GB"),
+        ("ETL_MAX_SHARD_BYTES", "0"),
+        ("ETL_MAX_SHARD_BYTES", "16GiB"),
         ("ETL_MAX_IMAGE_PIXELS", "-5"),
         ("ETL_ERROR_MANIFEST", "maybe"),
         ("ETL_KEEPALIVE", "6"),
