@@ -1,0 +1,154 @@
+"""The compute limit, and the decode/resize options it was chosen from.
+
+The compute limit is the service's own per-sample work (``samples.transform_sample``: decode, v2
+transforms, ``.npy`` encoding) over samples already in memory, on a thread pool as wide as the
+service's (``ETL_WORKERS``): no HTTP, no tar, no event loop. Everything else is reported as a fraction
+of it, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import io
+import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from transformer.config import Settings
+from transformer.options import options_from_mapping
+from transformer.samples import Sample, transform_sample
+from transformer.shards import read_samples
+
+
+def load_samples(path: Path, settings: Settings) -> list[Sample]:
+    with open(path, "rb") as stream:
+        return list(read_samples(stream, path.name, settings.max_member_bytes))
+
+
+def compute_limit(samples: list[Sample], preset: str, dtype: str, workers: int, settings: Settings) -> dict:
+    """Images/s of ``transform_sample`` over ``samples`` on ``workers`` threads (one pass, ordered)."""
+    options = options_from_mapping({"preset": preset, "dtype": dtype, "seed": 0}, settings)
+    torch.set_num_threads(1)  # as the service's TransformPool: parallel across samples, not inside ops
+
+    def one(sample: Sample) -> int:
+        members = transform_sample(sample, options, "compute-limit", "compute-limit")
+        return sum(1 for m in members if m.info.name.endswith(".npy"))
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(one, samples[: 2 * workers]))  # warm-up: first-call costs (dispatch, caches)
+        start = time.perf_counter()
+        images = sum(pool.map(one, samples))
+        seconds = time.perf_counter() - start
+    return {"images": images, "seconds": seconds, "images_per_s": images / seconds}
+
+
+# ------------------------------------------------------------------------------------ decode options
+
+
+def _jpegs(samples: list[Sample], limit: int) -> list[bytes]:
+    out = []
+    for sample in samples:
+        for member, ext in zip(sample.members, sample.extensions):
+            if ext is not None and ext.lower().rsplit(".", 1)[-1] in ("jpg", "jpeg"):
+                out.append(member.data)
+        if len(out) >= limit:
+            break
+    return out
+
+
+def _median_ms(fn: Callable[[bytes], object], images: list[bytes], repeats: int) -> float:
+    for data in images[:5]:
+        fn(data)
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for data in images:
+            fn(data)
+        runs.append((time.perf_counter() - start) / len(images))
+    return statistics.median(runs) * 1e3
+
+
+def decode_options(samples: list[Sample], images: int = 100, repeats: int = 3) -> list[dict]:
+    """Single-thread ms/image of each decoder and of the val pipeline built on it, and its error.
+
+    The error is the mean absolute difference, in normalized units, of the imagenet-val output against
+    torchvision's reference (decode_image + v2 Resize(256, antialias) + CenterCrop(224)), which is the
+    service's accuracy criterion (< 0.005); "exact" means bit-identical uint8 pixels.
+    """
+    from PIL import Image
+    from torchvision.io import ImageReadMode, decode_jpeg
+    from torchvision.transforms.v2 import functional as F
+
+    torch.set_num_threads(1)
+    jpegs = _jpegs(samples, images)
+    std = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
+
+    def tv(data: bytes) -> torch.Tensor:
+        return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+
+    def pil(data: bytes) -> torch.Tensor:
+        with Image.open(io.BytesIO(data)) as image:
+            return torch.from_numpy(np.asarray(image.convert("RGB")).copy()).permute(2, 0, 1)
+
+    def pil_draft(data: bytes) -> torch.Tensor:
+        # DCT-domain downscale (1/2, 1/4, 1/8) while keeping the short side >= 256: the val resize target.
+        with Image.open(io.BytesIO(data)) as image:
+            short = min(image.size)
+            image.draft("RGB", (image.size[0] * 256 // short, image.size[1] * 256 // short))
+            return torch.from_numpy(np.asarray(image.convert("RGB")).copy()).permute(2, 0, 1)
+
+    decoders: dict[str, Callable[[bytes], torch.Tensor]] = {
+        "torchvision decode_jpeg (libjpeg-turbo)": tv,
+        "PIL open+convert": pil,
+        "PIL + draft (DCT downscale to >= 256)": pil_draft,
+    }
+    try:
+        import simplejpeg
+
+        decoders["simplejpeg"] = lambda d: torch.from_numpy(simplejpeg.decode_jpeg(d, "RGB")).permute(2, 0, 1)
+        decoders["simplejpeg fastdct+fastupsample"] = lambda d: torch.from_numpy(
+            simplejpeg.decode_jpeg(d, "RGB", fastdct=True, fastupsample=True)
+        ).permute(2, 0, 1)
+    except ImportError:  # optional: measured only where installed
+        pass
+
+    def val_uint8(tensor: torch.Tensor) -> torch.Tensor:
+        return F.center_crop(F.resize(tensor.contiguous(), 256, antialias=True), 224)
+
+    def pil_val(data: bytes) -> torch.Tensor:  # the conventional v1 path: PIL resize + crop
+        with Image.open(io.BytesIO(data)) as image:
+            image = image.convert("RGB")
+            short = min(image.size)
+            size = (round(image.size[0] * 256 / short), round(image.size[1] * 256 / short))
+            image = image.resize(size, Image.BILINEAR)
+            left, top = (size[0] - 224) // 2, (size[1] - 224) // 2
+            image = image.crop((left, top, left + 224, top + 224))
+            return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)
+
+    reference = [val_uint8(tv(d)) for d in jpegs]
+
+    def error(outputs: list[torch.Tensor]) -> tuple[float, bool]:
+        mae = statistics.fmean(
+            float(((o.float() - r.float()).abs() / 255.0 / std).mean()) for o, r in zip(outputs, reference)
+        )
+        return mae, all(torch.equal(o, r) for o, r in zip(outputs, reference))
+
+    rows = []
+    for name, decode in decoders.items():
+        decode_ms = _median_ms(decode, jpegs, repeats)
+        pipeline_ms = _median_ms(lambda d, decode=decode: val_uint8(decode(d)), jpegs, repeats)
+        mae, exact = error([val_uint8(decode(d)) for d in jpegs])
+        rows.append({"option": name, "decode_ms": decode_ms, "val_uint8_ms": pipeline_ms, "mae": mae, "exact": exact})
+    pil_ms = _median_ms(pil_val, jpegs, repeats)
+    mae, exact = error([pil_val(d) for d in jpegs])
+    rows.append({"option": "PIL decode + PIL bilinear resize + crop (v1 path)", "decode_ms": None,
+                 "val_uint8_ms": pil_ms, "mae": mae, "exact": exact})
+    sizes = [Image.open(io.BytesIO(d)).size for d in jpegs]
+    width, height = statistics.median(w for w, _ in sizes), statistics.median(h for _, h in sizes)
+    return [dict(row, images=len(jpegs), mean_bytes=statistics.fmean(map(len, jpegs)),
+                 median_size=f"{width:.0f}x{height:.0f}") for row in rows]
+

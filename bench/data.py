@@ -1,0 +1,103 @@
+"""Benchmark shards: the project's demo shards, and a large shard made by repeating their samples.
+
+Shards live in an AIS-like mountpath layout (``<root>/mp/@ais/bench/%ob/<name>``) so that the same files
+can be sent as a request body and named by ``etl_fqn`` (the service accepts only FQNs with that layout).
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from webdataset.tariterators import base_plus_ext
+
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+BUCKET = "bench"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A shard file and what is in it (counted once, so throughput needs no second pass)."""
+
+    path: Path
+    samples: int
+    images: int
+
+    @property
+    def size(self) -> int:
+        return self.path.stat().st_size
+
+    @property
+    def object_path(self) -> str:
+        """``<bucket>/<object>``: the hpush URL path an AIS target uses."""
+        return f"{BUCKET}/{self.path.name}"
+
+
+def object_dir(root: Path) -> Path:
+    folder = root / "mp" / "@ais" / BUCKET / "%ob"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def count(path: Path) -> Shard:
+    samples, images, last_key = 0, 0, None
+    with tarfile.open(path, "r|") as archive:
+        for info in archive:
+            key, ext = base_plus_ext(info.name)
+            if key is None:
+                continue
+            if key != last_key:
+                samples, last_key = samples + 1, key
+            if ext.rsplit(".", 1)[-1].lower() in IMAGE_EXTS:
+                images += 1
+    return Shard(path, samples, images)
+
+
+def demo_shards(root: Path, shards: int, samples: int, seed: int = 0) -> list[Shard]:
+    """The demo generator's shards (ImageNet-like JPEGs), written once per (shards, samples, seed)."""
+    from transformer.demo import make_shards
+
+    folder = object_dir(root)
+    tag = f"demo-{shards}x{samples}-s{seed}"
+    staging = root / tag
+    if not (staging / "done").exists():
+        staging.mkdir(parents=True, exist_ok=True)
+        paths = [Path(p) for p in make_shards(staging, shards=shards, samples=samples, seed=seed)]
+        for index, path in enumerate(sorted(paths)):
+            path.replace(folder / f"{tag}-{index:03d}.tar")
+        (staging / "done").write_text("ok")
+    return [count(p) for p in sorted(folder.glob(f"{tag}-*.tar"))]
+
+
+def big_shard(root: Path, sources: list[Shard], target_bytes: int) -> Shard:
+    """A shard of at least ``target_bytes``: the sources' samples repeated under fresh keys, streamed to disk.
+
+    Only one source shard's members are held in memory at a time; keys get a ``_r<repeat>`` suffix so
+    every sample is unique (webdataset groups by key and would merge repeats otherwise).
+    """
+    path = object_dir(root) / f"big-{target_bytes >> 20}MiB.tar"
+    if path.exists() and path.stat().st_size >= target_bytes:
+        return count(path)
+    partial = path.with_name(path.name + ".partial")
+    written, repeat = 0, 0
+    with open(partial, "wb") as raw, tarfile.open(fileobj=raw, mode="w|", format=tarfile.USTAR_FORMAT) as out:
+        while written < target_bytes:
+            for source in sources:
+                for name, data in _members(source.path):
+                    key, ext = base_plus_ext(name)
+                    info = tarfile.TarInfo(f"{key}_r{repeat:05d}.{ext}" if key is not None else name)
+                    info.size, info.mtime, info.mode = len(data), 1_700_000_000, 0o644
+                    out.addfile(info, io.BytesIO(data))
+                    written += tarfile.BLOCKSIZE + -(-len(data) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+                repeat += 1
+                if written >= target_bytes:
+                    break
+    partial.replace(path)
+    return count(path)
+
+
+def _members(path: Path) -> list[tuple[str, bytes]]:
+    with tarfile.open(path, "r|") as archive:
+        return [(info.name, archive.extractfile(info).read()) for info in archive if info.isfile()]

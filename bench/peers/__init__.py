@@ -1,0 +1,1 @@
+"""What users run today instead of this service: the conventional SDK ``FastAPIServer`` ETL."""

@@ -1,0 +1,319 @@
+"""``results.md`` (tables, targets, machine, versions, command) and ``results.png`` from one run's figures."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import shlex
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+
+from .stats import median, ratio
+
+PACKAGES = ("torch", "torchvision", "pillow", "numpy", "simplejpeg", "webdataset", "aistore", "fastapi", "uvicorn",
+            "httptools", "uvloop", "websockets", "psutil")
+
+
+def metadata(argv: list[str], args, started: float) -> dict:
+    from transformer.config import available_cpus
+
+    def version(name: str) -> str | None:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    def git(*command: str) -> str:
+        done = subprocess.run(["git", *command], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+        return done.stdout.strip()
+
+    cpu_model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), platform.processor())
+    curl = subprocess.run(["curl", "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    try:
+        import torch
+
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:  # a broken CUDA install must not lose the whole report
+        gpu = None
+    # "dirty": the service's code differed from the commit (others edit the shared checkout concurrently).
+    dirty = " (dirty)" if git("status", "--porcelain", "--", "transformer") else ""
+    return {
+        "command": "python -m bench.run " + shlex.join(argv),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
+        "duration_s": time.time() - started,
+        "git": git("rev-parse", "--short", "HEAD") + dirty,
+        "machine": {"cpu": cpu_model, "cpus_usable": available_cpus(), "cpus_online": os.cpu_count(),
+                    "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "platform": platform.platform(),
+                    "gpu": gpu, "load_average_end": [round(x, 2) for x in os.getloadavg()]},
+        "versions": {"python": platform.python_version(), **{p: version(p) for p in PACKAGES},
+                     "curl": curl[0] if curl else None},
+        "settings": {"workers": args.workers, "concurrency": args.concurrency, "rounds": args.rounds,
+                     "shards": args.shards, "samples": args.samples, "big_mib": args.big_mib, "smoke": args.smoke},
+    }
+
+
+# ------------------------------------------------------------------------------------------ targets
+
+
+def _row(table: list[dict], **match) -> dict | None:
+    return next((r for r in table if all(r.get(k) == v for k, v in match.items())), None)
+
+
+def _per_round_ratio(results: dict, a: dict, b: dict) -> float | None:
+    """Median over rounds of measurement(a) / measurement(b), both from the same round."""
+    def by_round(match: dict) -> dict[int, float]:
+        return {r["round"]: r["images_per_s"] for r in results["measurements"]
+                if all(r.get(k) == v for k, v in match.items()) and r["images_per_s"]}
+
+    left, right = by_round(a), by_round(b)
+    return median([left[k] / right[k] for k in left if k in right])
+
+
+def targets(results: dict, table: list[dict]) -> list[dict]:
+    rows = []
+    concurrency = results["meta"]["settings"]["concurrency"]
+    single = {p: median([r["ms_per_image"] for r in results["single_thread"] if r["preset"] == p])
+              for p in ("imagenet-train", "imagenet-val")}
+
+    for mode, c in (("hpush-body", 1), ("hpush-fqn", 1), ("hpush-fqn", concurrency)):
+        row = _row(table, system="service", preset="imagenet-train", mode=mode, concurrency=c, shard="demo")
+        value = row["of_limit"] if row else None
+        rows.append({"target": f"service {mode} x{c}, imagenet-train float32 >= 90% of the compute limit",
+                     "measured": _pct(value), "met": None if value is None else value >= 0.9})
+
+    for mode, c in (("hpush-fqn", concurrency), ("hpush-body", 1)):
+        base = {"preset": "imagenet-train", "mode": mode, "concurrency": c, "shard": "demo"}
+        speedup = _per_round_ratio(results, {"system": "service", **base}, {"system": "peer", **base})
+        ours, theirs = _row(table, system="service", **base), _row(table, system="peer", **base)
+        rss = ratio(ours["peak_rss_mb"], theirs["peak_rss_mb"]) if ours and theirs else None
+        rows.append({"target": f"{mode} x{c}: >= 4x the conventional ETL's images/s",
+                     "measured": _x(speedup), "met": None if speedup is None else speedup >= 4})
+        rows.append({"target": f"{mode} x{c}: peak RSS < 1/3 of the conventional ETL's",
+                     "measured": None if rss is None else f"{rss:.2f} of it ({ours['peak_rss_mb']:.0f} vs "
+                                                          f"{theirs['peak_rss_mb']:.0f} MB)",
+                     "met": None if rss is None else rss < 1 / 3})
+
+    for mode in ("hpush-fqn", "hpush-body"):
+        row = _row(table, system="service", preset="imagenet-train", mode=mode, concurrency=1, shard="demo")
+        bound = 50 + (single["imagenet-train"] or 0)
+        ttfb = row["ttfb_ms_p50"] if row else None
+        rows.append({"target": f"{mode} time to first byte < 50 ms + one sample ({bound:.1f} ms)",
+                     "measured": None if ttfb is None else f"p50 {ttfb:.1f} ms",
+                     "met": None if ttfb is None else ttfb < bound})
+
+    for mode in ("hpush-fqn", "hpush-body"):
+        small = next((m for m in results["memory"] if m["mode"] == mode and m["shard"] == "small"), None)
+        big = next((m for m in results["memory"] if m["mode"] == mode and m["shard"] == "big"), None)
+        if small and big:
+            delta = (big["peak_rss"] - small["peak_rss"]) / 2**20
+            rows.append({"target": f"{mode}: peak RSS, {big['bytes'] / 2**30:.2f} GiB shard within 100 MB of the "
+                                   f"{small['bytes'] / 1e6:.0f} MB shard's",
+                         "measured": f"{delta:+.0f} MB ({small['peak_rss'] / 2**20:.0f} -> "
+                                     f"{big['peak_rss'] / 2**20:.0f} MB)", "met": delta < 100})
+    return rows
+
+
+def _pct(value: float | None) -> str | None:
+    return None if value is None else f"{100 * value:.0f}%"
+
+
+def _x(value: float | None) -> str | None:
+    return None if value is None else f"{value:.2f}x"
+
+
+# ----------------------------------------------------------------------------------------- markdown
+
+
+def _fmt(value, digits: int = 0) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def write_markdown(results: dict, path: Path) -> None:
+    from .run import summarize
+
+    meta = results["meta"]
+    table = summarize(results)
+    shards = results["shards"]
+    demo = shards["demo"]
+    lines = [
+        "# Benchmark results",
+        "",
+        f"Command: `{meta['command']}` (git {meta['git']}), started {meta['started']}, took "
+        f"{meta['duration_s'] / 60:.1f} min.",
+        "",
+        f"Machine: {meta['machine']['cpu']}, {meta['machine']['cpus_usable']} usable CPUs "
+        f"({meta['machine']['cpus_online']} online), {meta['machine']['memory_gib']} GiB RAM, "
+        f"{meta['machine']['platform']}; GPU: {meta['machine']['gpu'] or 'none'}; "
+        f"load average at the end {meta['machine']['load_average_end']} (other jobs share these CPUs: "
+        "compare ratios taken in the same round, not absolute figures across runs).",
+        "",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v),
+        "",
+        f"Shards: {len(demo)} demo shards of {demo[0]['samples']} samples "
+        f"({demo[0]['bytes'] / 1e6:.1f} MB each, {demo[0]['bytes'] / max(1, demo[0]['images']) / 1e3:.0f} KB per "
+        f"sample)" + (f"; large shard {shards['big']['bytes'] / 2**30:.2f} GiB, {shards['big']['images']} images"
+                      if shards["big"] else "") + f". Workers: {meta['settings']['workers']} (service threads, "
+        f"compute-limit threads, peer uvicorn workers). Rounds: {len(results.get('round_seconds', []))}.",
+        "",
+        "## Targets",
+        "",
+        "| target | measured | met |",
+        "|---|---|---|",
+    ]
+    for row in targets(results, table):
+        met = {True: "yes", False: "**no**", None: "not measured"}[row["met"]]
+        lines.append(f"| {row['target']} | {row['measured'] or '–'} | {met} |")
+
+    lines += ["", "## Compute limit (no HTTP, no tar)", "",
+              "| preset | images/s (all workers) | CPU ms/image | one sample, 1 thread (ms) |", "|---|---|---|---|"]
+    for preset in ("imagenet-train", "imagenet-val"):
+        rows = [r for r in results["compute"] if r["preset"] == preset]
+        single = [r["ms_per_image"] for r in results["single_thread"] if r["preset"] == preset]
+        if rows:
+            lines.append(f"| {preset} | {_fmt(median([r['images_per_s'] for r in rows]))} | "
+                         f"{_fmt(median([r['cpu_ms_per_image'] for r in rows]), 2)} | {_fmt(median(single), 2)} |")
+
+    lines += ["", "## Throughput over HTTP (loopback, float32 output)", "",
+              "Medians over rounds; latency percentiles over every shard request; `of limit` is the ratio to the "
+              "compute limit measured in the same round. CPU ms/image counts the whole server process tree.", "",
+              "| system | preset | mode | shards in flight | images/s | of limit | MB/s in | MB/s out | "
+              "TTFB p50 ms | latency p50 ms | latency p99 ms | peak RSS MB | CPU ms/image |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in table:
+        if r["shard"] != "demo":
+            continue
+        name = "this service" if r["system"] == "service" else "conventional ETL"
+        lines.append(
+            f"| {name} | {r['preset']} | {r['mode']} | {r['concurrency']} | {_fmt(r['images_per_s'])} | "
+            f"{_pct(r['of_limit']) or '–'} | {_fmt(r['mb_in_per_s'], 1)} | {_fmt(r['mb_out_per_s'])} | "
+            f"{_fmt(r['ttfb_ms_p50'], 1)} | {_fmt(r['latency_ms_p50'])} | {_fmt(r['latency_ms_p99'])} | "
+            f"{_fmt(r['peak_rss_mb'])} | {_fmt(r['cpu_ms_per_image'], 2)} |" + (f" {r['failed']} failed" if
+                                                                                  r["failed"] else ""))
+
+    if results["memory"]:
+        lines += ["", "## Memory: small then large shard (one fresh service per input mode, imagenet-train, "
+                      "1 shard in flight)", "",
+                  "| input | shard | images | idle RSS MB | peak RSS MB | images/s | TTFB ms |",
+                  "|---|---|---|---|---|---|---|"]
+        for m in results["memory"]:
+            size = f"{m['bytes'] / 2**30:.2f} GiB" if m["bytes"] > 2**30 / 2 else f"{m['bytes'] / 1e6:.0f} MB"
+            lines.append(f"| {m['mode']} | {size} | {m['images']} | {_fmt(m['idle_rss'] / 2**20)} | "
+                         f"{_fmt(m['peak_rss'] / 2**20)} | {_fmt(m['images_per_s'])} | "
+                         f"{_fmt(None if m['ttfb_s'] is None else m['ttfb_s'] * 1e3, 1)} |")
+        lines.append("")
+        lines.append("The conventional ETL is not run on the large shard: it holds the whole input, the whole "
+                     "output tar and its copy in memory (about 2 x 5.5 x the input for float32 output), "
+                     "which does not fit this machine.")
+
+    if results["client"]:
+        lines += ["", "## What the training loop receives (WebLoader, batches of 32)", "",
+                  "| reader | preset | dtype | workers | samples/s | MB/s | first batch s | samples |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for c in results["client"]:
+            lines.append(f"| {c['reader']} | {c['preset']} | {c['dtype']} | {c['workers']} | "
+                         f"{_fmt(c['samples_per_s'])} | {_fmt(c.get('mb_per_s'))} | {_fmt(c['first_batch_s'], 2)} | "
+                         f"{c['samples']}{'' if c['complete'] else ' (time limit)'} |")
+
+    if results["decoders"]:
+        d0 = results["decoders"][0]
+        lines += ["", f"## Decode and resize options (1 thread, {d0['images']} demo JPEGs, median "
+                      f"{d0['median_size']}, {d0['mean_bytes'] / 1e3:.0f} KB)", "",
+                  "Error: mean absolute difference of the imagenet-val output against torchvision's reference, "
+                  "in normalized units (the service's accuracy check requires < 0.005); exact: identical uint8 "
+                  "pixels (the service's uint8 check requires it).", "",
+                  "| option | decode ms | decode + val resize/crop ms | error | exact |", "|---|---|---|---|---|"]
+        for d in results["decoders"]:
+            lines.append(f"| {d['option']} | {_fmt(d['decode_ms'], 3)} | {_fmt(d['val_uint8_ms'], 3)} | "
+                         f"{d['mae']:.4f} | {'yes' if d['exact'] else 'no'} |")
+
+    if results["skipped"]:
+        lines += ["", "## Skipped", ""] + [f"* {s}" for s in results["skipped"]]
+    failures = [r for r in results["measurements"] if r["failed"]]
+    if failures:
+        lines += ["", "## Failed requests", ""]
+        lines += [f"* {r['system']} {r['preset']} {r['mode']} x{r['concurrency']}: {r['errors']}" for r in failures]
+    path.write_text("\n".join(lines) + "\n")
+
+
+# ------------------------------------------------------------------------------------------------ plot
+
+
+def write_plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .run import summarize
+
+    table = summarize(results)
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5.5), gridspec_kw={"width_ratios": [2.2, 2.2, 1.4]})
+    colors = {"service": "#2a7ab9", "peer": "#d1603d", "limit": "#444444", "client": "#7f9f3f"}
+    for ax, preset in zip(axes[:2], ("imagenet-train", "imagenet-val")):
+        labels, values, shades = [], [], []
+        limit = median([r["images_per_s"] for r in results["compute"] if r["preset"] == preset])
+        if limit:
+            labels.append("compute limit")
+            values.append(limit)
+            shades.append(colors["limit"])
+        for r in table:
+            if r["preset"] == preset and r["shard"] == "demo" and r["images_per_s"]:
+                who = "service" if r["system"] == "service" else "conventional"
+                labels.append(f"{who} {r['mode']} x{r['concurrency']}")
+                values.append(r["images_per_s"])
+                shades.append(colors[r["system"]])
+        for c in results["client"]:
+            if c["preset"] == preset and c["reader"].startswith("client-side"):
+                labels.append("client-side decoding")
+                values.append(c["samples_per_s"])
+                shades.append(colors["client"])
+        positions = range(len(labels))
+        ax.barh(list(positions), values, color=shades)
+        ax.set_yticks(list(positions), labels, fontsize=8)
+        ax.invert_yaxis()
+        for y, v in zip(positions, values):
+            ax.text(v, y, f" {v:,.0f}", va="center", fontsize=8)
+        if limit:
+            ax.axvline(limit, color=colors["limit"], linestyle=":", linewidth=1)
+            ax.axvline(0.9 * limit, color=colors["limit"], linestyle="--", linewidth=0.8)
+        ax.set_xlabel("images/s (float32 224x224 out)")
+        ax.set_title(f"{preset}: throughput (dashed: 90% of the limit)", fontsize=10)
+        ax.set_xlim(0, max(values or [1]) * 1.18)
+
+    ax = axes[2]
+    labels, values, shades = [], [], []
+    for r in table:
+        if r["preset"] == "imagenet-train" and r["shard"] == "demo" and r["concurrency"] == 1 and r["mode"] != "ws":
+            labels.append(f"{'service' if r['system'] == 'service' else 'conventional'} {r['mode']}")
+            values.append(r["peak_rss_mb"])
+            shades.append(colors[r["system"]])
+    for m in results["memory"]:
+        size = f"{m['bytes'] / 2**30:.1f} GiB" if m["shard"] == "big" else f"{m['bytes'] / 1e6:.0f} MB"
+        labels.append(f"service {m['mode']}, {size} shard")
+        values.append(m["peak_rss"] / 2**20)
+        shades.append("#5fa2d6" if m["shard"] == "big" else colors["service"])
+    positions = range(len(labels))
+    ax.barh(list(positions), values, color=shades)
+    ax.set_yticks(list(positions), labels, fontsize=8)
+    ax.invert_yaxis()
+    for y, v in zip(positions, values):
+        ax.text(v, y, f" {v:,.0f}", va="center", fontsize=8)
+    ax.set_xlabel("peak RSS of the server process tree (MB)")
+    ax.set_title("memory, imagenet-train, 1 shard in flight", fontsize=10)
+    ax.set_xlim(0, max(values or [1]) * 1.25)
+
+    meta = results["meta"]
+    fig.suptitle(f"{meta['machine']['cpu']}, {meta['machine']['cpus_usable']} CPUs, no GPU — "
+                 f"{meta['command']} ({meta['started']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,335 @@
+"""One command for the whole benchmark: ``python -m bench.run`` (``--smoke`` for the CI-sized run).
+
+Everything is measured side by side in one run on the same shards, in rounds: each round measures the
+compute limit, this service and the conventional peer once per preset, so that ratios compare figures
+taken under the same load; tables report medians over rounds and percentiles over all shard requests.
+The run is bounded by ``--budget`` seconds: what does not fit is recorded as skipped, never left hanging.
+
+Outputs in ``--out`` (default ``bench/results``): ``results.json`` (every raw figure), ``results.md``
+(tables, targets, machine, versions, command) and ``results.png`` (plot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from . import client_side, compute, data, report, services
+from .stats import median, percentile
+
+log = logging.getLogger("bench")
+
+PRESETS = ("imagenet-train", "imagenet-val")
+MODES = ("hpush-body", "hpush-fqn", "ws")
+
+
+class Budget:
+    def __init__(self, seconds: float):
+        self.deadline = time.monotonic() + seconds
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shards, one round: checks the harness, not speed")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="results folder")
+    parser.add_argument("--work", type=Path, help="folder for shards and logs (default: a temporary folder)")
+    parser.add_argument("--shards", type=int, help="demo shards (default 4; smoke 2)")
+    parser.add_argument("--samples", type=int, help="samples per demo shard (default 1000; smoke 16)")
+    parser.add_argument("--big-mib", type=int, help="size of the large shard in MiB (default 1024; smoke 8)")
+    parser.add_argument("--rounds", type=int, help="measurement rounds (default 3; smoke 1)")
+    parser.add_argument("--concurrency", type=int, help="concurrent shards of the 'several' case (default 4)")
+    parser.add_argument("--workers", type=int, help="threads of the service and of the compute limit, and the "
+                        "peer's uvicorn workers (default: the CPUs this process may use)")
+    parser.add_argument("--budget", type=float, help="wall-clock bound in seconds (default 1500; smoke 240)")
+    parser.add_argument("--skip", default="", help="comma-separated sections to leave out: "
+                        "decoders,peer,ws,big,client")
+    args = parser.parse_args(argv)
+    smoke = args.smoke
+    defaults = {"shards": 2 if smoke else 4, "samples": 16 if smoke else 1000, "big_mib": 8 if smoke else 1024,
+                "rounds": 1 if smoke else 3, "concurrency": 2 if smoke else 4, "budget": 240 if smoke else 1500}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.workers is None:
+        from transformer.config import available_cpus
+
+        args.workers = available_cpus()
+    args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s bench: %(message)s", datefmt="%H:%M:%S")
+    if not services.curl_available():
+        log.error("curl is needed: it plays the AIS target (a C client that streams body and response at once)")
+        return 2
+    budget = Budget(args.budget)
+    started = time.time()
+    temporary = None
+    if args.work is None:
+        temporary = tempfile.mkdtemp(prefix="wds-bench-")
+        args.work = Path(temporary)
+    args.work.mkdir(parents=True, exist_ok=True)
+    logs = args.work / "logs"
+    logs.mkdir(exist_ok=True)
+    try:
+        results = run(args, budget, logs)
+    finally:
+        if temporary is not None:
+            shutil.rmtree(temporary, ignore_errors=True)
+    results["meta"] = report.metadata(argv if argv is not None else sys.argv[1:], args, started)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    report.write_markdown(results, args.out / "results.md")
+    report.write_plot(results, args.out / "results.png")
+    log.info("wrote %s/results.{json,md,png} in %.0f s", args.out, time.time() - started)
+    return 0
+
+
+def run(args: argparse.Namespace, budget: Budget, logs: Path) -> dict:
+    from transformer.config import Settings
+
+    settings = Settings.from_env({})  # defaults: the shell's ETL_* must not skew the compute limit
+    results: dict = {"measurements": [], "skipped": [], "compute": [], "single_thread": [], "decoders": [],
+                     "memory": [], "client": []}
+
+    log.info("shards: %d demo shards x %d samples, and a %d MiB shard", args.shards, args.samples, args.big_mib)
+    shards = data.demo_shards(args.work, args.shards, args.samples)
+    big = None if "big" in args.skip else data.big_shard(args.work, shards[:1], args.big_mib << 20)
+    results["shards"] = {
+        "demo": [{"name": s.path.name, "bytes": s.size, "samples": s.samples, "images": s.images} for s in shards],
+        "big": None if big is None else {"name": big.path.name, "bytes": big.size, "samples": big.samples,
+                                         "images": big.images},
+    }
+    samples = compute.load_samples(shards[0].path, settings)
+
+    if "decoders" not in args.skip:
+        log.info("decode options (single thread)")
+        results["decoders"] = compute.decode_options(samples, images=10 if args.smoke else 100,
+                                                     repeats=1 if args.smoke else 3)
+
+    service = services.start_service(logs, args.work, args.workers)
+    peer = None if "peer" in args.skip else services.start_peer(logs, args.workers)
+    try:
+        service.ready()
+        if peer is not None:
+            peer.ready()
+    except Exception:
+        service.stop()
+        if peer is not None:
+            peer.stop()
+        raise
+    results["servers"] = {"service_idle_rss": service.idle_rss, "peer_idle_rss": peer.idle_rss if peer else None}
+    try:
+        for round_index in range(args.rounds):
+            if round_index > 0 and budget.remaining() < _round_estimate(results):
+                results["skipped"].append(f"rounds {round_index + 1}..{args.rounds}: time budget")
+                break
+            round_start = time.monotonic()
+            measure_round(args, budget, results, round_index, samples, settings, shards, service, peer)
+            results.setdefault("round_seconds", []).append(time.monotonic() - round_start)
+            if round_index == 0:
+                # Sections that must appear in every report run after the first round, before extra rounds.
+                if big is not None:
+                    measure_memory(args, budget, results, logs, shards[0], big, None if not args.smoke else service)
+                if "client" not in args.skip:
+                    measure_client(args, budget, results, shards, service)
+    finally:
+        service.stop()
+        if peer is not None:
+            peer.stop()
+    return results
+
+
+def _round_estimate(results: dict) -> float:
+    seconds = results.get("round_seconds") or [0.0]
+    return 1.2 * max(seconds)
+
+
+def measure_round(args, budget: Budget, results: dict, round_index: int, samples, settings, shards,
+                  service: services.Server, peer: services.Server | None) -> None:
+    paths = [s.path for s in shards]
+    for preset in PRESETS:
+        log.info("round %d, %s: compute limit", round_index + 1, preset)
+        cpu = time.process_time()
+        limit = compute.compute_limit(samples, preset, "float32", args.workers, settings)
+        limit["cpu_ms_per_image"] = (time.process_time() - cpu) / limit["images"] * 1e3
+        results["compute"].append({"round": round_index, "preset": preset, **limit})
+        single = compute.compute_limit(samples[: max(8, len(samples) // 5)], preset, "float32", 1, settings)
+        results["single_thread"].append({"round": round_index, "preset": preset,
+                                         "ms_per_image": single["seconds"] / single["images"] * 1e3})
+        etl_args = json.dumps({"preset": preset})
+        for system, server in (("service", service), ("peer", peer)):
+            if server is None:
+                continue
+            cases = [(mode, 1) for mode in MODES if not (mode == "ws" and "ws" in args.skip)]
+            cases.append(("hpush-fqn", args.concurrency))
+            for mode, concurrency in cases:
+                requests = paths if concurrency > 1 else paths[: max(1, len(paths) // 2)]
+                if concurrency > 1 and len(requests) < concurrency:
+                    requests = (requests * concurrency)[:concurrency]
+                measure(budget, results, server, system, preset, mode, concurrency, requests, shards, etl_args,
+                        round_index)
+
+
+def measure(budget: Budget, results: dict, server: services.Server, system: str, preset: str, mode: str,
+            concurrency: int, requests: list[Path], shards, etl_args: str, round_index: int,
+            shard_label: str = "demo") -> dict | None:
+    label = f"{system} {preset} {mode} x{concurrency} ({shard_label})"
+    if budget.remaining() < 30:
+        results["skipped"].append(f"{label}, round {round_index + 1}: time budget")
+        return None
+    timeout = max(30.0, budget.remaining() - 20)
+    images = {s.path: s.images for s in shards}
+
+    def call(path: Path) -> services.Result:
+        if mode == "ws":
+            return services.ws_request(server.url, path, etl_args, timeout)
+        relative = f"{data.BUCKET}/{path.name}"
+        return services.hpush(server.url, relative, path, mode.split("-")[1], etl_args, timeout)
+
+    log.info("  %s: %d shard(s)", label, len(requests))
+    server.rss.reset()
+    cpu = server.cpu_seconds()
+    outcomes, wall = services.run_requests(call, requests, concurrency)
+    cpu = server.cpu_seconds() - cpu
+    failed = [r.error for r in outcomes if not r.ok]
+    total_images = sum(images[p] for p, r in zip(requests, outcomes) if r.ok)
+    row = {
+        "system": system, "preset": preset, "mode": mode, "concurrency": concurrency, "shard": shard_label,
+        "round": round_index, "requests": len(requests), "failed": len(failed), "errors": failed[:3],
+        "wall_s": wall, "images": total_images, "images_per_s": total_images / wall if not failed else None,
+        "bytes_in": sum(r.bytes_in for r in outcomes), "bytes_out": sum(r.bytes_out for r in outcomes),
+        "ttfb_s": [r.ttfb for r in outcomes if r.ok], "latency_s": [r.seconds for r in outcomes if r.ok],
+        "peak_rss": server.rss.peak(), "server_cpu_s": cpu,
+        "cpu_ms_per_image": cpu / total_images * 1e3 if total_images else None,
+    }
+    row["mb_in_per_s"] = row["bytes_in"] / wall / 1e6
+    row["mb_out_per_s"] = row["bytes_out"] / wall / 1e6
+    if failed:
+        log.warning("  %s: %d of %d requests failed: %s", label, len(failed), len(requests), failed[0])
+    results["measurements"].append(row)
+    return row
+
+
+def measure_memory(args, budget: Budget, results: dict, logs: Path, small, big,
+                   reuse: services.Server | None) -> None:
+    """Peak RSS for a small and then a large shard (imagenet-train, one in flight), per input mode.
+
+    Each mode gets a fresh service (``reuse`` only in smoke runs, to save start-ups), sent the small
+    shard first and then the large one: with bounded memory the large shard's peak stays at the small
+    one's; anything that grows with the shard shows up as the difference.
+    """
+    etl_args = json.dumps({"preset": "imagenet-train"})
+    for mode in ("hpush-fqn", "hpush-body"):
+        if budget.remaining() < 90:
+            results["skipped"].append(f"memory {mode}: time budget")
+            continue
+        server = reuse or services.start_service(logs, args.work, args.workers, name=f"service-memory-{mode}").ready()
+        try:
+            for label, shard in (("small", small), ("big", big)):
+                row = measure(budget, results, server, "service", "imagenet-train", mode, 1, [shard.path], [shard],
+                              etl_args, 0, shard_label=label)
+                if row is not None:
+                    results["memory"].append({"mode": mode, "shard": label, "bytes": shard.size,
+                                              "images": shard.images, "idle_rss": server.idle_rss,
+                                              "fresh_server": reuse is None, "peak_rss": row["peak_rss"],
+                                              "images_per_s": row["images_per_s"],
+                                              "ttfb_s": row["ttfb_s"][0] if row["ttfb_s"] else None})
+        finally:
+            if reuse is None:
+                server.stop()
+
+
+def measure_client(args, budget: Budget, results: dict, shards, service: services.Server) -> None:
+    """Samples/s delivered to a training loop: client-side decoding vs reading the service's output."""
+    from transformer.client import pod_urls
+
+    paths = [s.path for s in shards]
+    for preset in PRESETS:
+        if budget.remaining() < 60:
+            results["skipped"].append(f"client-side decoding {preset}: time budget")
+            continue
+        log.info("client-side decoding (WebLoader, PIL + torchvision v1), %s", preset)
+        row = client_side.client_side_decoding(paths, preset, args.workers, 32, limit_s=budget.remaining() - 45)
+        results["client"].append({"reader": "client-side decoding (raw shards)", "preset": preset,
+                                  "dtype": "float32", **row})
+    mountpath = str(args.work / "mp")
+    for dtype in ("float32", "uint8"):
+        etl = {"preset": "imagenet-train", "dtype": dtype}
+        if budget.remaining() < 60:
+            results["skipped"].append(f"ETL output reading {dtype}: time budget")
+            continue
+        log.info("transformer.client loader over the live service, %s", dtype)
+        urls = pod_urls(service.url, data.BUCKET, [p.name for p in paths], etl_args=etl, mountpath=mountpath)
+        row = client_side.read_with_client(urls, args.workers, 32, limit_s=budget.remaining() - 45)
+        results["client"].append({"reader": "transformer.client, live service (same cores)",
+                                  "preset": "imagenet-train", "dtype": dtype, **row})
+        if budget.remaining() < 60:
+            results["skipped"].append(f"ETL output reading from disk {dtype}: time budget")
+            continue
+        log.info("transformer.client loader over saved service output, %s", dtype)
+        saved = client_side.save_outputs(service.url, data.BUCKET, paths[:2], json.dumps(etl),
+                                         args.work / "etl-out" / dtype, timeout=budget.remaining() - 45)
+        saved_bytes = sum(p.stat().st_size for p in saved)
+        try:
+            row = client_side.read_with_client([str(p) for p in saved], args.workers, 32,
+                                               limit_s=budget.remaining() - 30)
+        finally:
+            for path in saved:
+                path.unlink(missing_ok=True)
+        results["client"].append({"reader": "transformer.client, saved output (loader cost only)",
+                                  "preset": "imagenet-train", "dtype": dtype, "mb_per_s": None, **row})
+        if row["complete"] and row["samples"]:
+            results["client"][-1]["mb_per_s"] = saved_bytes / row["seconds"] / 1e6
+
+
+def summarize(results: dict) -> list[dict]:
+    """One row per (system, preset, mode, concurrency, shard): medians over rounds, percentiles over requests."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in results["measurements"]:
+        key = (row["system"], row["preset"], row["mode"], row["concurrency"], row["shard"])
+        groups.setdefault(key, []).append(row)
+    limits = {}
+    for row in results["compute"]:
+        limits.setdefault(row["preset"], {})[row["round"]] = row["images_per_s"]
+    table = []
+    for (system, preset, mode, concurrency, shard), rows in groups.items():
+        ttfb = [t for r in rows for t in r["ttfb_s"]]
+        latency = [t for r in rows for t in r["latency_s"]]
+        fractions = [r["images_per_s"] / limits[preset][r["round"]] for r in rows
+                     if r["images_per_s"] and r["round"] in limits.get(preset, {}) and r["shard"] == "demo"]
+        table.append({
+            "system": system, "preset": preset, "mode": mode, "concurrency": concurrency, "shard": shard,
+            "rounds": len(rows), "failed": sum(r["failed"] for r in rows),
+            "images_per_s": median([r["images_per_s"] for r in rows]),
+            "of_limit": median(fractions),
+            "mb_in_per_s": median([r["mb_in_per_s"] for r in rows]),
+            "mb_out_per_s": median([r["mb_out_per_s"] for r in rows]),
+            "ttfb_ms_p50": _ms(percentile(ttfb, 50)), "latency_ms_p50": _ms(percentile(latency, 50)),
+            "latency_ms_p99": _ms(percentile(latency, 99)), "peak_rss_mb": max(r["peak_rss"] for r in rows) / 2**20,
+            "cpu_ms_per_image": median([r["cpu_ms_per_image"] for r in rows]),
+        })
+    order = {"service": 0, "peer": 1}
+    table.sort(key=lambda r: (r["preset"], r["shard"] != "demo", order[r["system"]], MODES.index(r["mode"]),
+                              r["concurrency"]))
+    return table
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,258 @@
+"""Servers under test (this service, the conventional peer) and the clients that drive them like AIS does.
+
+HTTP requests are made with ``curl``: a C client like the Go AIS target, which sends the body and reads
+the response at the same time (a streaming server needs that) and costs little CPU on a 2-core box,
+so the client does not eat the cores being measured. ``curl`` reports time to first byte and total
+time per request itself. WebSocket requests use the ``websockets`` client, framed as the target frames
+them (Binary JSON control message, reply = one Binary message).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote, urlencode
+
+import psutil
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RssSampler:
+    """Peak resident memory of a process tree (the server and its workers), sampled every ``interval``.
+
+    RSS is summed over the processes, so pages shared by forked workers count once per worker: that is
+    what each worker costs a node once its pages are touched, and what ``ps``/cAdvisor report.
+    """
+
+    def __init__(self, pid: int, interval: float = 0.01):
+        self._root = psutil.Process(pid)
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"rss {pid}", daemon=True)
+        self._thread.start()
+
+    def current(self) -> int:
+        total = 0
+        try:
+            processes = [self._root, *self._root.children(recursive=True)]
+        except psutil.Error:
+            return 0
+        for process in processes:
+            with contextlib.suppress(psutil.Error):  # a worker exiting between listing and reading
+                total += process.memory_info().rss
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            value = self.current()
+            with self._lock:
+                self._peak = max(self._peak, value)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._peak = self.current()
+
+    def peak(self) -> int:
+        with self._lock:
+            return max(self._peak, self.current())
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+
+class Server:
+    """A server subprocess on 127.0.0.1; ``stop()`` ends exactly the process tree it started."""
+
+    def __init__(self, name: str, command: list[str], env: dict[str, str], log_dir: Path, port: int):
+        self.name, self.port = name, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(command, env=env, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+        self.rss: RssSampler | None = None
+        self.idle_rss = 0
+
+    def ready(self, timeout: float = 180.0) -> Server:
+        """Wait for ``GET /health`` = 200 (bounded), then start sampling memory. Servers may start in parallel."""
+        self._wait_healthy(timeout)
+        self.rss = RssSampler(self.process.pid)
+        self.idle_rss = self.rss.current()
+        return self
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
+                    sock.sendall(b"GET /health HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n")
+                    if sock.recv(64).startswith(b"HTTP/1.1 200"):
+                        return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"{self.name} not healthy within {timeout:.0f}s:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU of the whole tree so far (for CPU per image)."""
+        total = 0.0
+        try:
+            processes = [psutil.Process(self.process.pid), *psutil.Process(self.process.pid).children(recursive=True)]
+        except psutil.Error:
+            return 0.0
+        for process in processes:
+            try:
+                times = process.cpu_times()
+                total += times.user + times.system
+            except psutil.Error:
+                pass
+        return total
+
+    def stop(self) -> None:
+        if self.rss is not None:
+            self.rss.stop()
+        if self.process.poll() is None:
+            self.process.terminate()  # uvicorn's supervisor forwards it to its workers
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=5)
+        self._log.close()
+
+
+def base_env(**overrides: str) -> dict[str, str]:
+    """This environment without ETL_* settings of the caller's shell, plus ``overrides``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETL_") and k != "AIS_TARGET_URL"}
+    env.update(overrides)
+    return env
+
+
+def start_service(log_dir: Path, fqn_root: Path, workers: int, extra_env: dict[str, str] | None = None,
+                  name: str = "service") -> Server:
+    """This service as the pod runs it (``python -m transformer serve``); call ``ready()`` before use."""
+    port = free_port()
+    env = base_env(ETL_WORKERS=str(workers), ETL_FQN_ROOTS=str(fqn_root), ETL_LOG_LEVEL="warning",
+                   ETL_OBJ_TIMEOUT="900s", **(extra_env or {}))
+    command = [sys.executable, "-m", "transformer", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    return Server(name, command, env, log_dir, port)
+
+
+def start_peer(log_dir: Path, workers: int, name: str = "peer") -> Server:
+    """The conventional ETL: uvicorn, one worker process per core, one torch thread per worker."""
+    port = free_port()
+    # The SDK base class requires AIS_TARGET_URL; nothing here calls it (body and FQN inputs only).
+    env = base_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", AIS_TARGET_URL="http://127.0.0.1:9")
+    command = [sys.executable, "-m", "uvicorn", "bench.peers.conventional_etl:fastapi_app", "--host", "127.0.0.1",
+               "--port", str(port), "--workers", str(workers), "--no-access-log", "--log-level", "warning",
+               "--ws-max-size", str(16 * 2**30), "--ws-ping-interval", "0", "--ws-ping-timeout", "86400"]
+    return Server(name, command, env, log_dir, port)
+
+
+# ------------------------------------------------------------------------------------------ clients
+
+
+@dataclass
+class Result:
+    """One shard request."""
+
+    ok: bool
+    status: int
+    ttfb: float  # seconds from the request's start to the first response byte
+    seconds: float
+    bytes_in: int
+    bytes_out: int
+    error: str = ""
+
+
+def go_path_escape(text: str) -> str:
+    """Go's ``url.PathEscape`` as AIS applies it to the FQN: ``$&+:=@`` stay, ``/`` ``;`` ``,`` ``?`` escaped.
+
+    Hand-written (one ``quote`` call) because no library exposes Go's path-segment rule.
+    """
+    return quote(text, safe="$&+:=@")
+
+
+def curl_available() -> bool:
+    return shutil.which("curl") is not None
+
+
+def hpush(url: str, object_path: str, shard: Path, mode: str, etl_args: str, timeout: float) -> Result:
+    """One hpush PUT as an AIS target sends it: ``body`` (the shard as the body) or ``fqn`` (empty body)."""
+    query = {"etl_args": etl_args} if etl_args else {}
+    command = ["curl", "-sS", "-o", "/dev/null", "--max-time", f"{timeout:.0f}", "-H", "Expect:",
+               "-w", "%{http_code} %{time_starttransfer} %{time_total} %{size_upload} %{size_download}"]
+    if mode == "body":
+        command += ["-T", str(shard)]
+    else:
+        query = {"etl_fqn": go_path_escape(str(shard)), **query}  # urlencode escapes it once more: double
+        command += ["-X", "PUT"]
+    command.append(f"{url}/{object_path}" + (f"?{urlencode(query)}" if query else ""))
+    start = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout + 10)
+    seconds = time.monotonic() - start
+    try:
+        status_text, ttfb, total, up, down = done.stdout.split()
+        status = int(status_text)
+    except ValueError:
+        return Result(False, 0, 0.0, seconds, 0, 0, (done.stderr or done.stdout).strip()[:300])
+    bytes_in = int(float(up)) if mode == "body" else shard.stat().st_size
+    ok = done.returncode == 0 and status == 200
+    return Result(ok, status, float(ttfb), float(total), bytes_in, int(float(down)),
+                  "" if ok else f"curl rc {done.returncode}, HTTP {status}: {done.stderr.strip()[:300]}")
+
+
+def ws_request(url: str, shard: Path, etl_args: str, timeout: float) -> Result:
+    """One ws:// request with ``fqn`` (the target's default): control message, one Binary reply."""
+    from websockets.sync.client import connect
+
+    control = {"path": shard.name, "fqn": go_path_escape(str(shard))}  # single-encoded inside the JSON
+    if etl_args:
+        control["etl_args"] = etl_args
+    start = time.monotonic()
+    try:
+        with connect(url.replace("http://", "ws://") + "/ws", max_size=None, compression=None,
+                     open_timeout=10, close_timeout=5) as ws:
+            ws.send(json.dumps(control).encode())
+            reply = ws.recv(timeout=timeout)
+    except Exception as exc:  # a failed request is a result (reported), not a crash of the benchmark
+        return Result(False, 0, 0.0, time.monotonic() - start, 0, 0, f"{exc.__class__.__name__}: {exc}"[:300])
+    seconds = time.monotonic() - start
+    ok = isinstance(reply, bytes) and len(reply) > 1024
+    # One message per object: the first byte arrives with the last, so ttfb == total for ws.
+    return Result(ok, 200 if ok else 0, seconds, seconds, shard.stat().st_size, len(reply),
+                  "" if ok else f"unexpected reply {reply[:200]!r}")
+
+
+def run_requests(call, shards: list[Path], concurrency: int) -> tuple[list[Result], float]:
+    """Send every shard in ``shards`` with ``concurrency`` requests in flight; (results, wall seconds)."""
+    start = time.monotonic()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        results = list(pool.map(call, shards))
+    return results, time.monotonic() - start
