@@ -66,7 +66,9 @@ def _serve(args: argparse.Namespace) -> int:
         # Above the AIS target's 6 s idle timeout, so the target never reuses a connection we closed
         # (AIS does not retry a PUT that failed with EOF; contract doc section 2.1).
         timeout_keep_alive=settings.keepalive,
-        ws_max_size=16 * 2**30,  # AIS reads up to 16 GiB per message; a shard is one message
+        # AIS sends up to 16 GiB per message and a shard is one message, held in memory whole: the
+        # shard limit caps it (the 1 MiB floor keeps room for control messages).
+        ws_max_size=min(16 * 2**30, max(settings.max_shard_bytes, 2**20)),
         ws_ping_interval=None,  # the target never answers pings' purpose; AIS itself sends none
         ws_ping_timeout=None,
         log_level=settings.log_level,

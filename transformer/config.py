@@ -34,6 +34,8 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "ETL_MAX_INFLIGHT": ("", "Samples in flight across all shards; empty = 4 x workers + 4."),
     "ETL_OBJ_TIMEOUT": ("300s", "Time budget per object, same as the ETL's obj_timeout (Go duration or seconds)."),
     "ETL_MAX_MEMBER_BYTES": ("268435456", "Largest tar member accepted (bytes); larger fails the shard."),
+    "ETL_MAX_SHARD_BYTES": ("17179869184", "Largest shard accepted (bytes, any comm type); larger is refused with 413. "
+                            "Also caps ws messages, which are held in memory whole."),
     "ETL_MAX_IMAGE_PIXELS": ("100000000", "Largest decoded image (width x height); larger is a sample error."),
     "ETL_FQN_ROOTS": ("", "Comma-separated roots etl_fqn must lie under; empty = any AIS mountpath."),
     "ETL_ERROR_MANIFEST": ("true", "Append __etl__/errors.json to shards that lost or kept-as-is samples."),
@@ -93,6 +95,7 @@ class Settings:
     max_inflight: int = 8
     obj_timeout: float = 300.0
     max_member_bytes: int = 256 * 2**20
+    max_shard_bytes: int = 16 * 2**30
     max_image_pixels: int = 100_000_000
     fqn_roots: tuple[str, ...] = ()
     error_manifest: bool = True
@@ -177,6 +180,7 @@ class Settings:
             max_inflight=integer("ETL_MAX_INFLIGHT", 1, default=4 * workers + 4),
             obj_timeout=parse_duration(get("ETL_OBJ_TIMEOUT"), "ETL_OBJ_TIMEOUT"),
             max_member_bytes=integer("ETL_MAX_MEMBER_BYTES", 1),
+            max_shard_bytes=integer("ETL_MAX_SHARD_BYTES", 1),
             max_image_pixels=integer("ETL_MAX_IMAGE_PIXELS", 1),
             fqn_roots=roots,
             error_manifest=manifest in ("true", "1", "yes"),

@@ -25,9 +25,19 @@ from ..config import Settings
 from ..engine import TransformPool
 from ..errors import Cancelled, OptionsError, RequestError, TransformerError
 from ..options import parse_etl_args
-from .fqn import resolve_fqn
 from .hops import HEADER_NODE_URL, final_destination_is_remote, parse_node_url
-from .jobs import BodySource, BytesSource, FileSource, Final, HttpSource, Runtime, ShardJob, Source, watch_disconnect
+from .jobs import (
+    BodySource,
+    BytesSource,
+    Final,
+    HttpSource,
+    Runtime,
+    ShardJob,
+    Source,
+    fqn_source,
+    shard_too_large,
+    watch_disconnect,
+)
 from .metrics import Metrics
 
 log = logging.getLogger("transformer.server")
@@ -86,7 +96,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         """hpush: ``PUT /<bucket>/<obj>``, input from ``etl_fqn`` (empty body) or the body."""
         fqn = request.query_params.get("etl_fqn")
         object_name = path.split("/", 1)[1] if "/" in path else path
-        make = _fqn_source(fqn) if fqn else None  # None: the body, read inside the response (ASGI receive)
+        length = request.headers.get("content-length", "")
+        limit = runtime().settings.max_shard_bytes
+        if not fqn and length.isdigit() and int(length) > limit:
+            return _error(shard_too_large(path, int(length), limit))  # before reading a byte of it
+        make = _fqn_source(fqn, path, object_name) if fqn else None  # None: the body, read inside the response
         return await _shard_response(request, make, shard=path, object_name=object_name, comm="hpush",
                                      object_path=path)
 
@@ -99,11 +113,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         object_name = parts[3] if len(parts) == 4 else uname
         fqn = request.query_params.get("etl_fqn")
         if fqn:
-            make = _fqn_source(fqn)
+            make = _fqn_source(fqn, uname, object_name, uname)
         else:
             target = runtime().settings.ais_target_url
             if not target:
                 return _error(RequestError("hpull without etl_fqn needs AIS_TARGET_URL, which is not set", 500))
+            if "/" in raw or raw in (".", ".."):
+                # AIS sends PathEscape(uname): one segment. Anything else could walk to another target
+                # endpoint with our ETL secret in the URL (no open proxy to the cluster).
+                return _error(RequestError(f"hpull path {raw!r} is not one escaped uname segment"))
             # Keep the escaping exactly: the uname travels as one path segment (contract 2.3).
             url = f"{target}/{raw}"
             if request.query_params.get("latest-ver"):
@@ -112,9 +130,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return await _shard_response(request, make, shard=uname, object_name=object_name, comm="hpull",
                                      object_path=raw)
 
-    def _fqn_source(fqn: str):
-        def make(rt: Runtime, _deadline: float) -> Source:
-            return FileSource(resolve_fqn(fqn, rt.settings.fqn_roots))
+    def _fqn_source(fqn: str, shard: str, object_name: str, uname: str | None = None):
+        def make(rt: Runtime, deadline: float) -> Source:
+            return fqn_source(fqn, rt, deadline, shard=shard, object_name=object_name, uname=uname)
 
         return make
 
@@ -267,7 +285,9 @@ async def _ws_request(ws: WebSocket, rt: Runtime, control: dict[str, Any], pipel
     etl_args = str(control.get("etl_args") or "")
     fqn = control.get("fqn")
     if fqn:
-        source: Source = FileSource(resolve_fqn(str(fqn), rt.settings.fqn_roots))  # single-encoded in ws JSON
+        # Single-encoded in the ws JSON: resolve_fqn's one percent-decode is the only one.
+        source: Source = fqn_source(str(fqn), rt, time.monotonic() + rt.settings.obj_timeout, shard=path,
+                                    object_name=path)
     else:
         content = await ws.receive()
         if content["type"] == "websocket.disconnect":
@@ -275,6 +295,8 @@ async def _ws_request(ws: WebSocket, rt: Runtime, control: dict[str, Any], pipel
         data = content.get("bytes")
         if data is None:
             raise RequestError(f"ws request {path!r}: expected a Binary content frame after the control message")
+        if len(data) > rt.settings.max_shard_bytes:
+            raise shard_too_large(path, len(data), rt.settings.max_shard_bytes)
         source = BytesSource(data)
     try:
         options = parse_etl_args(etl_args, rt.settings)

@@ -10,7 +10,7 @@ port is reachable from the node network, so ``etl_fqn`` must not read arbitrary 
 from __future__ import annotations
 
 import os
-from urllib.parse import unquote
+from urllib.parse import quote, unquote
 
 from ..errors import RequestError
 
@@ -30,3 +30,33 @@ def resolve_fqn(raw: str, roots: tuple[str, ...]) -> str:
     if not os.path.isfile(real):
         raise RequestError(f"etl_fqn {path!r}: no such object file on this node", status=404)
     return real
+
+
+def object_uname(real: str, object_name: str) -> str:
+    """The uname ``<provider>/<ns>/<bucket>/<object>`` of the object stored at FQN ``real``.
+
+    Provider, namespace and bucket come from the FQN's layout (``@<provider>/[<ns>/]<bucket>/%ob/``,
+    ns written ``#<name>`` or ``@<uuid>#<name>``); the object name from the request, because AIS
+    shortens very long names on disk.
+    """
+    segments = real.split("/")
+    ob = segments.index("%ob")
+    if ob < 2:
+        raise RequestError(f"etl_fqn {real!r} has no bucket before %ob", status=403)
+    bucket, provider_at, ns = segments[ob - 1], ob - 2, "@#"
+    candidate = segments[ob - 2]
+    if candidate.startswith("#") or (candidate.startswith("@") and "#" in candidate):
+        ns = candidate if candidate.startswith("@") else "@" + candidate
+        provider_at = ob - 3
+    provider = segments[provider_at] if provider_at >= 0 else ""
+    if not provider.startswith("@") or len(provider) < 2:
+        raise RequestError(f"etl_fqn {real!r} has no @<provider> segment before its bucket", status=403)
+    return f"{provider[1:]}/{ns}/{bucket}/{object_name}"
+
+
+def path_escape(text: str) -> str:
+    """Go's ``url.PathEscape``, which AIS uses for the one-segment uname in its object URLs.
+
+    Hand-written (one line) because no Python library exposes Go's exact segment rule.
+    """
+    return quote(text, safe="$&+:=@")

@@ -101,6 +101,49 @@ class HttpSource(Source):
             raise UpstreamError(f"GET {_no_secret(self.url)}: {exc.__class__.__name__}: {exc}", 502) from None
 
 
+class ObjectFileSource(FileSource):
+    """An ``etl_fqn`` file checked against the target's size of the object first (chunked objects).
+
+    For a chunked AIS object only the first chunk lives at the FQN (contract doc 2.1), so reading
+    the file alone would transform a truncated shard. A ``HEAD`` of the object on the target
+    (``AIS_TARGET_URL/<escaped uname>``, answered from metadata) gives its full size; when it differs
+    from the file's, the object is fetched over HTTP instead. When the target cannot tell (HEAD
+    failed), the file is read: the strict tar reader still refuses a shard cut short (422).
+    """
+
+    def __init__(self, path: str, client: httpx.Client, object_url: str, deadline: float):
+        super().__init__(path)
+        self.client, self.object_url, self.deadline = client, object_url, deadline
+
+    @contextlib.contextmanager
+    def open(self):
+        local = os.path.getsize(self.path)
+        size = self._target_size()
+        if size is None or size == local:
+            with open(self.path, "rb", buffering=1024 * 1024) as stream:
+                yield stream
+            return
+        log.warning("etl_fqn %s has %d of the object's %d bytes (a chunked object); fetching %s over HTTP",
+                    self.path, local, size, _no_secret(self.object_url))
+        with HttpSource(self.client, self.object_url, self.deadline).open() as stream:
+            yield stream
+
+    def _target_size(self) -> int | None:
+        remaining = max(0.1, self.deadline - time.monotonic())
+        try:
+            response = self.client.head(self.object_url, timeout=httpx.Timeout(min(5.0, remaining)))
+        except httpx.HTTPError as exc:
+            log.warning("etl_fqn %s: HEAD %s failed (%s); reading the file as is",
+                        self.path, _no_secret(self.object_url), exc.__class__.__name__)
+            return None
+        length = response.headers.get("content-length", "")
+        if response.status_code != 200 or not length.isdigit():
+            log.warning("etl_fqn %s: HEAD %s answered %d without a size; reading the file as is",
+                        self.path, _no_secret(self.object_url), response.status_code)
+            return None
+        return int(length)
+
+
 class BytesSource(Source):
     """Bytes already in memory (a WebSocket content frame)."""
 
@@ -208,15 +251,23 @@ class _IteratorReader:
 
 
 class _Counting:
-    """Counts bytes read through any file object (for the bytes-in metric)."""
+    """Counts bytes read through any file object (bytes-in metric) and enforces ETL_MAX_SHARD_BYTES."""
 
-    def __init__(self, stream: BinaryIO):
+    def __init__(self, stream: BinaryIO, shard: str, limit: int):
         self._stream, self.count = stream, 0
+        self.shard, self.limit = shard, limit
 
     def read(self, size: int = -1) -> bytes:
         data = self._stream.read(size)
         self.count += len(data)
+        if self.count > self.limit:
+            raise shard_too_large(self.shard, self.count, self.limit)
         return data
+
+
+def shard_too_large(shard: str, size: int, limit: int) -> RequestError:
+    return RequestError(f"shard '{shard}': {size} bytes or more, over the limit of {limit} (ETL_MAX_SHARD_BYTES)",
+                        status=413)
 
 
 def _no_secret(url: str) -> str:
@@ -282,7 +333,7 @@ class ShardJob:
         """The transformed shard; opening the source again on every call (for retries)."""
         self.report = ShardReport(self.shard, self.object_name, self.options.on_error)
         with self.source.open() as stream:
-            counted = _Counting(stream)
+            counted = _Counting(stream, self.shard, self.runtime.settings.max_shard_bytes)
             try:
                 for chunk in transform_shard(
                     counted, self.options, self.runtime.pool, shard=self.shard, object_name=self.object_name,
@@ -356,10 +407,24 @@ class ShardJob:
                 self._emit(Final(response.status_code, response.content))
 
 
-def open_fqn_source(raw: str, settings: Settings) -> FileSource:
-    from .fqn import resolve_fqn
+def fqn_source(raw: str, runtime: Runtime, deadline: float, *, shard: str, object_name: str,
+               uname: str | None = None) -> FileSource:
+    """The input named by ``etl_fqn``: decoded, confined, size-limited, and chunk-checked when possible.
 
-    return FileSource(resolve_fqn(raw, settings.fqn_roots))
+    The chunk check needs the target (``AIS_TARGET_URL``); ``uname`` is the object's uname when the
+    request carries it exactly (hpull), otherwise it is derived from the FQN and ``object_name``.
+    """
+    from .fqn import object_uname, path_escape, resolve_fqn
+
+    settings = runtime.settings
+    path = resolve_fqn(raw, settings.fqn_roots)
+    size = os.path.getsize(path)
+    if size > settings.max_shard_bytes:
+        raise shard_too_large(shard, size, settings.max_shard_bytes)
+    if not settings.ais_target_url:
+        return FileSource(path)
+    uname = uname or object_uname(path, object_name)
+    return ObjectFileSource(path, runtime.client, f"{settings.ais_target_url}/{path_escape(uname)}", deadline)
 
 
 def check_fqn_exists(path: str) -> None:
