@@ -154,5 +154,13 @@ def _transient(url: str, error: Exception) -> UpstreamError:
 
 
 def _short(url: str) -> str:
+    """The URL for logs and error bodies: no query, and not the ETL secret of a direct-put path."""
     parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}{parts.path}"
+    path = parts.path
+    marker = "/v1/etl/_object/"
+    if marker in path:  # <marker><etl name>/<secret>/<uname>: the secret opens every object of the cluster
+        head, tail = path.split(marker, 1)
+        pieces = tail.split("/", 2)
+        if len(pieces) == 3:
+            path = f"{head}{marker}{pieces[0]}/***/{pieces[2]}"
+    return f"{parts.scheme}://{parts.netloc}{path}"

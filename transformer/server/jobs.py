@@ -383,7 +383,7 @@ class ShardJob:
                 # The target re-sends a replayable body when asked this way (contract doc 2.1).
                 return Final(503, exc.message.encode(), {HEADER_RETRY_REASON: RETRY_REASON_TRANSIENT})
             raise
-        with response:
+        with contextlib.closing(response):  # httpx.Response is no context manager
             response.read()
         if response.status_code == 200:
             return Final(204, b"", {HEADER_DIRECT_PUT_LENGTH: str(self.report.bytes_out)})
@@ -394,7 +394,7 @@ class ShardJob:
         headers = {HEADER_NODE_URL: hop.remaining} if hop.remaining else {}
         response = put_stream(self.runtime.client, hop.url, self._output, headers=headers,
                               deadline=self.deadline, replayable=self.source.replayable)
-        with response:
+        with contextlib.closing(response):
             if response.status_code == 200:
                 for chunk in response.iter_raw():
                     self._emit_chunk(chunk)
