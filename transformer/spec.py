@@ -27,6 +27,7 @@ import yaml
 from torchvision import tv_tensors
 from torchvision.transforms import InterpolationMode, v2
 from torchvision.transforms.v2._transform import _RandomApplyTransform
+from torchvision.transforms.v2.functional._geometry import _compute_resized_output_size
 
 from .errors import OptionsError
 
@@ -121,11 +122,38 @@ class Pipeline:
         return flat
 
 
+# Steps whose output canvas is known without running anything (hot path: the probe below costs about
+# 30 us of small torch ops per step, 5-10% of a sample's CPU under GIL contention; bench/ measures it).
+# Pixel-value and same-canvas geometric steps keep the input's size; these crops and resizes output
+# their own ``size`` (or torchvision's resize rule). Everything else is probed.
+# tests/test_canvas_fast_path.py checks every entry against the probe.
+_SAME_CANVAS = (
+    v2.RandomHorizontalFlip, v2.RandomVerticalFlip, v2.ColorJitter, v2.RandomGrayscale, v2.Grayscale,
+    v2.GaussianBlur, v2.RandomAutocontrast, v2.RandomEqualize, v2.RandomAdjustSharpness, v2.RandomInvert,
+    v2.RandomPosterize, v2.RandomSolarize, v2.RandomAffine, v2.RandomPerspective,
+)
+
+
+def _known_canvas(transform: v2.Transform, height: int, width: int) -> tuple[int, int] | None:
+    if isinstance(transform, _SAME_CANVAS) or (isinstance(transform, v2.RandomRotation) and not transform.expand):
+        return height, width
+    if isinstance(transform, (v2.RandomResizedCrop, v2.CenterCrop)):
+        return transform.size[0], transform.size[1]
+    if isinstance(transform, v2.Resize):
+        out = _compute_resized_output_size((height, width), size=transform.size, max_size=transform.max_size)
+        return out[0], out[1]
+    return None
+
+
 def _check_canvas(transform: v2.Transform, params: dict[str, Any], first: Any, max_pixels: int) -> None:
-    """Predict the step's output size on a one-box ``BoundingBoxes`` (metadata only, no pixels)."""
+    """Predict the step's output size, from its size rule or on a one-box ``BoundingBoxes`` (no pixels)."""
     height, width = first.shape[-2:]
-    probe = tv_tensors.BoundingBoxes(torch.zeros(1, 4), format="XYXY", canvas_size=(height, width))
-    out_height, out_width = transform.transform(probe, params).canvas_size
+    known = _known_canvas(transform, height, width)
+    if known is not None:
+        out_height, out_width = known
+    else:
+        probe = tv_tensors.BoundingBoxes(torch.zeros(1, 4), format="XYXY", canvas_size=(height, width))
+        out_height, out_width = transform.transform(probe, params).canvas_size
     if out_height * out_width > max_pixels:
         raise ValueError(
             f"{type(transform).__name__} would turn {height}x{width} into {out_height}x{out_width} = "
