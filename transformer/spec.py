@@ -225,7 +225,10 @@ def _canonical(spec: Any, field: str) -> tuple[tuple[str, str], ...]:
             raise OptionsError(where, f"transform '{name}' is not allowed; allowed: {sorted(ALLOWED)}")
         if not isinstance(kwargs, dict):
             raise OptionsError(where, f"arguments of {name} must be a mapping, got {type(kwargs).__name__}")
-        steps.append((name, json.dumps(kwargs, sort_keys=True)))
+        try:
+            steps.append((name, json.dumps(kwargs, sort_keys=True)))
+        except (TypeError, ValueError) as exc:  # YAML gives non-string keys, dates, sets, bytes
+            raise OptionsError(where, f"arguments of {name} must be JSON values with string names ({exc})") from None
     for position, (name, _) in enumerate(steps[:-1]):
         if name == "Normalize":
             raise OptionsError(f"{field}[{position}]", "Normalize must be the last step")

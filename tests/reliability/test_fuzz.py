@@ -247,3 +247,19 @@ def test_resolved_fqn_is_always_an_object_file_under_the_root(parts: list[str], 
         return
     assert path.startswith(str(fqn_root) + "/") and os.path.isfile(path)
     assert "/%ob/" in path and Path(path).read_bytes() == b"x"
+
+
+@pytest.mark.parametrize(
+    "spec_text",
+    [
+        "- Resize: {size: ,7777777770}\n- GaussianBlur: {kernel_size: 3}",  # found by bench/fuzz_etl_args.py
+        "- Resize: {size: 2020-01-01}",
+        "- Resize: {size: !!set {1, 2}}",
+        "- Resize: {size: !!binary aGk=}",
+    ],
+    ids=["int-key", "date", "set", "bytes"],
+)
+def test_yaml_values_that_are_not_json_are_a_400(spec_text: str) -> None:
+    with pytest.raises(OptionsError) as info:
+        parse_etl_args(json.dumps({"transforms": spec_text}), SETTINGS)
+    assert info.value.field == "transforms[0]"
