@@ -9,6 +9,7 @@ of it, measured in the same run.
 from __future__ import annotations
 
 import io
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -40,10 +41,36 @@ def compute_limit(samples: list[Sample], preset: str, dtype: str, workers: int, 
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
         list(pool.map(one, samples[: 2 * workers]))  # warm-up: first-call costs (dispatch, caches)
-        start = time.perf_counter()
+        cpu, start = time.process_time(), time.perf_counter()
         images = sum(pool.map(one, samples))
-        seconds = time.perf_counter() - start
-    return {"images": images, "seconds": seconds, "images_per_s": images / seconds}
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return {"images": images, "seconds": seconds, "images_per_s": images / seconds,
+            "cpu_ms_per_image": cpu / images * 1e3}
+
+
+def engine_limit(path: Path, preset: str, dtype: str, workers: int, settings: Settings) -> dict:
+    """The service's engine without HTTP: ``transform_shard`` from the file to /dev/null, in this process.
+
+    The same work as ``wds-transform apply`` and as the service minus the event loop and the socket:
+    tar parsing and writing and the ordered window on top of the compute limit. Pool and window sizes
+    are the service's defaults for ``workers``.
+    """
+    from transformer.engine import ShardReport, TransformPool, transform_shard
+
+    options = options_from_mapping({"preset": preset, "dtype": dtype, "seed": 0}, settings)
+    pool = TransformPool(workers, 4 * workers + 4)
+    report = ShardReport(path.name, path.name, options.on_error)
+    try:
+        cpu, start = time.process_time(), time.perf_counter()
+        with open(path, "rb") as stream, open(os.devnull, "wb") as sink:
+            for chunk in transform_shard(stream, options, pool, shard=path.name, object_name=path.name,
+                                         window=2 * workers + 2, report=report):
+                sink.write(chunk)
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    finally:
+        pool.shutdown()
+    return {"images": report.images, "seconds": seconds, "images_per_s": report.images / seconds,
+            "cpu_ms_per_image": cpu / report.images * 1e3}
 
 
 # ------------------------------------------------------------------------------------ decode options

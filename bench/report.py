@@ -173,21 +173,35 @@ def write_markdown(results: dict, path: Path) -> None:
         met = {True: "yes", False: "**no**", None: "not measured"}[row["met"]]
         lines.append(f"| {row['target']} | {row['measured'] or '–'} | {met} |")
 
-    lines += ["", "## Compute limit (no HTTP, no tar)", "",
-              "| preset | images/s (all workers) | CPU ms/image | one sample, 1 thread (ms) |", "|---|---|---|---|"]
+    lines += ["", "## Compute limit, and the engine without HTTP", "",
+              "Compute limit: `transform_sample` (decode, v2 transforms, .npy) over in-memory samples on the "
+              "service's thread count, no tar, no HTTP. Engine: `transform_shard` from the shard file to /dev/null "
+              "(tar in and out, ordered window; what `wds-transform apply` does). CPU ms/image is process CPU "
+              "over images, so it does not depend on how much of the machine other jobs took.", "",
+              "| preset | stage | images/s | of limit | CPU ms/image | one sample, 1 thread (ms) |",
+              "|---|---|---|---|---|---|"]
     for preset in ("imagenet-train", "imagenet-val"):
         rows = [r for r in results["compute"] if r["preset"] == preset]
+        engine = [r for r in results["engine"] if r["preset"] == preset]
         single = [r["ms_per_image"] for r in results["single_thread"] if r["preset"] == preset]
         if rows:
-            lines.append(f"| {preset} | {_fmt(median([r['images_per_s'] for r in rows]))} | "
+            lines.append(f"| {preset} | compute limit | {_fmt(median([r['images_per_s'] for r in rows]))} | 100% | "
                          f"{_fmt(median([r['cpu_ms_per_image'] for r in rows]), 2)} | {_fmt(median(single), 2)} |")
+        if engine:
+            limits = {r["round"]: r["images_per_s"] for r in rows}
+            fraction = median([e["images_per_s"] / limits[e["round"]] for e in engine if e["round"] in limits])
+            lines.append(f"| {preset} | engine, no HTTP | {_fmt(median([e['images_per_s'] for e in engine]))} | "
+                         f"{_pct(fraction) or '–'} | {_fmt(median([e['cpu_ms_per_image'] for e in engine]), 2)} | |")
+
+    lines += _cpu_budget(results, table)
 
     lines += ["", "## Throughput over HTTP (loopback, float32 output)", "",
               "Medians over rounds; latency percentiles over every shard request; `of limit` is the ratio to the "
               "compute limit measured in the same round. CPU ms/image counts the whole server process tree.", "",
               "| system | preset | mode | shards in flight | images/s | of limit | MB/s in | MB/s out | "
-              "TTFB p50 ms | latency p50 ms | latency p99 ms | peak RSS MB | CPU ms/image |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "TTFB p50 ms | latency p50 ms | latency p99 ms | peak RSS MB | server CPU ms/image | "
+              "client CPU ms/image |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table:
         if r["shard"] != "demo":
             continue
@@ -196,8 +210,8 @@ def write_markdown(results: dict, path: Path) -> None:
             f"| {name} | {r['preset']} | {r['mode']} | {r['concurrency']} | {_fmt(r['images_per_s'])} | "
             f"{_pct(r['of_limit']) or '–'} | {_fmt(r['mb_in_per_s'], 1)} | {_fmt(r['mb_out_per_s'])} | "
             f"{_fmt(r['ttfb_ms_p50'], 1)} | {_fmt(r['latency_ms_p50'])} | {_fmt(r['latency_ms_p99'])} | "
-            f"{_fmt(r['peak_rss_mb'])} | {_fmt(r['cpu_ms_per_image'], 2)} |" + (f" {r['failed']} failed" if
-                                                                                  r["failed"] else ""))
+            f"{_fmt(r['peak_rss_mb'])} | {_fmt(r['cpu_ms_per_image'], 2)} | "
+            f"{_fmt(r['client_cpu_ms_per_image'], 2)} |" + (f" {r['failed']} failed" if r["failed"] else ""))
 
     if results["memory"]:
         lines += ["", "## Memory: small then large shard (one fresh service per input mode, imagenet-train, "
@@ -242,6 +256,32 @@ def write_markdown(results: dict, path: Path) -> None:
         lines += ["", "## Failed requests", ""]
         lines += [f"* {r['system']} {r['preset']} {r['mode']} x{r['concurrency']}: {r['errors']}" for r in failures]
     path.write_text("\n".join(lines) + "\n")
+
+
+def _cpu_budget(results: dict, table: list[dict]) -> list[str]:
+    """Where the CPU of one image goes, stage by stage, and the fraction of the limit that leaves."""
+    lines = ["", "## Where an image's CPU goes (imagenet-train, float32, 1 shard in flight)", "",
+             "With every core busy, throughput is cores / (CPU per image), so the ratio of CPU per image bounds "
+             "the fraction of the compute limit a stage can reach on this machine, whatever the scheduling.", "",
+             "| stage | CPU ms/image | added | bound: fraction of the limit |", "|---|---|---|---|"]
+    compute = median([r["cpu_ms_per_image"] for r in results["compute"] if r["preset"] == "imagenet-train"])
+    engine = median([r["cpu_ms_per_image"] for r in results["engine"] if r["preset"] == "imagenet-train"])
+    if compute is None:
+        return []
+    lines.append(f"| compute limit (decode, transforms, .npy) | {compute:.2f} | | 100% |")
+    if engine is not None:
+        lines.append(f"| + tar in/out, ordered window (engine, no HTTP) | {engine:.2f} | {engine - compute:+.2f} | "
+                     f"{_pct(compute / engine)} |")
+    for mode in ("hpush-fqn", "hpush-body"):
+        row = _row(table, system="service", preset="imagenet-train", mode=mode, concurrency=1, shard="demo")
+        if row and row["cpu_ms_per_image"] and row["client_cpu_ms_per_image"] is not None:
+            server, client = row["cpu_ms_per_image"], row["client_cpu_ms_per_image"]
+            base = engine if engine is not None else compute
+            lines.append(f"| service {mode}: server process (+ event loop, HTTP, TCP send) | {server:.2f} | "
+                         f"{server - base:+.2f} | {_pct(compute / server)} |")
+            lines.append(f"| service {mode}: + the client on the same cores (curl receiving) | "
+                         f"{server + client:.2f} | {client:+.2f} | {_pct(compute / (server + client))} |")
+    return lines
 
 
 # ------------------------------------------------------------------------------------------------ plot

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import resource
 import shutil
 import sys
 import tempfile
@@ -100,8 +101,8 @@ def run(args: argparse.Namespace, budget: Budget, logs: Path) -> dict:
     from transformer.config import Settings
 
     settings = Settings.from_env({})  # defaults: the shell's ETL_* must not skew the compute limit
-    results: dict = {"measurements": [], "skipped": [], "compute": [], "single_thread": [], "decoders": [],
-                     "memory": [], "client": []}
+    results: dict = {"measurements": [], "skipped": [], "compute": [], "engine": [], "single_thread": [],
+                     "decoders": [], "memory": [], "client": []}
 
     log.info("shards: %d demo shards x %d samples, and a %d MiB shard", args.shards, args.samples, args.big_mib)
     shards = data.demo_shards(args.work, args.shards, args.samples)
@@ -161,10 +162,11 @@ def measure_round(args, budget: Budget, results: dict, round_index: int, samples
     paths = [s.path for s in shards]
     for preset in PRESETS:
         log.info("round %d, %s: compute limit", round_index + 1, preset)
-        cpu = time.process_time()
         limit = compute.compute_limit(samples, preset, "float32", args.workers, settings)
-        limit["cpu_ms_per_image"] = (time.process_time() - cpu) / limit["images"] * 1e3
         results["compute"].append({"round": round_index, "preset": preset, **limit})
+        log.info("round %d, %s: engine without HTTP", round_index + 1, preset)
+        engine = compute.engine_limit(shards[0].path, preset, "float32", args.workers, settings)
+        results["engine"].append({"round": round_index, "preset": preset, **engine})
         single = compute.compute_limit(samples[: max(8, len(samples) // 5)], preset, "float32", 1, settings)
         results["single_thread"].append({"round": round_index, "preset": preset,
                                          "ms_per_image": single["seconds"] / single["images"] * 1e3})
@@ -201,8 +203,11 @@ def measure(budget: Budget, results: dict, server: services.Server, system: str,
     log.info("  %s: %d shard(s)", label, len(requests))
     server.rss.reset()
     cpu = server.cpu_seconds()
+    # The client's CPU: curl runs as waited-for children; the ws client runs in this process.
+    client_cpu = _children_cpu() + (time.process_time() if mode == "ws" else 0.0)
     outcomes, wall = services.run_requests(call, requests, concurrency)
     cpu = server.cpu_seconds() - cpu
+    client_cpu = _children_cpu() + (time.process_time() if mode == "ws" else 0.0) - client_cpu
     failed = [r.error for r in outcomes if not r.ok]
     total_images = sum(images[p] for p, r in zip(requests, outcomes) if r.ok)
     row = {
@@ -213,6 +218,7 @@ def measure(budget: Budget, results: dict, server: services.Server, system: str,
         "ttfb_s": [r.ttfb for r in outcomes if r.ok], "latency_s": [r.seconds for r in outcomes if r.ok],
         "peak_rss": server.rss.peak(), "server_cpu_s": cpu,
         "cpu_ms_per_image": cpu / total_images * 1e3 if total_images else None,
+        "client_cpu_ms_per_image": client_cpu / total_images * 1e3 if total_images else None,
     }
     row["mb_in_per_s"] = row["bytes_in"] / wall / 1e6
     row["mb_out_per_s"] = row["bytes_out"] / wall / 1e6
@@ -220,6 +226,11 @@ def measure(budget: Budget, results: dict, server: services.Server, system: str,
         log.warning("  %s: %d of %d requests failed: %s", label, len(failed), len(requests), failed[0])
     results["measurements"].append(row)
     return row
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def measure_memory(args, budget: Budget, results: dict, logs: Path, small, big,
@@ -319,6 +330,7 @@ def summarize(results: dict) -> list[dict]:
             "ttfb_ms_p50": _ms(percentile(ttfb, 50)), "latency_ms_p50": _ms(percentile(latency, 50)),
             "latency_ms_p99": _ms(percentile(latency, 99)), "peak_rss_mb": max(r["peak_rss"] for r in rows) / 2**20,
             "cpu_ms_per_image": median([r["cpu_ms_per_image"] for r in rows]),
+            "client_cpu_ms_per_image": median([r["client_cpu_ms_per_image"] for r in rows]),
         })
     order = {"service": 0, "peer": 1}
     table.sort(key=lambda r: (r["preset"], r["shard"] != "demo", order[r["system"]], MODES.index(r["mode"]),
