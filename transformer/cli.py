@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     make.add_argument("--shards", type=int, default=2, help="number of shards (default 2)")
     make.add_argument("--samples", type=int, default=100, help="samples per shard (default 100)")
     make.add_argument("--seed", type=int, default=0, help="seed of the image variations (default 0)")
+    make.add_argument("--masks", action="store_true",
+                      help="Oxford-Pet-like samples: image.jpg + trimap.png + cls (masks follow the image's crop)")
 
     preview = commands.add_parser("preview", help="draw a grid of transformed samples of a shard")
     preview.add_argument("shard", type=Path, help="a transformed (.npy) or raw shard")
@@ -135,7 +137,8 @@ class _CountingReader:
 def _make_shards(args: argparse.Namespace) -> int:
     from .demo import make_shards
 
-    for path in make_shards(args.output, shards=args.shards, samples=args.samples, seed=args.seed):
+    for path in make_shards(args.output, shards=args.shards, samples=args.samples, seed=args.seed,
+                            masks=args.masks):
         print(path)
     return 0
 

@@ -95,7 +95,10 @@ def transform_sample(sample: Sample, options: TransformOptions, shard: str, obje
     for position, tensor in zip(positions, outputs):
         source = sample.members[position].info
         kind = kinds[position]
-        payload = _encode_mask(tensor) if kind == "mask" else _encode_image(tensor, options, shard, sample.key, source.name)
+        if kind == "mask":
+            payload = _encode_mask(tensor)
+        else:
+            payload = _encode_image(tensor, options, shard, sample.key, source.name)
         name = source.name.rsplit(".", 1)[0] + ".npy"
         if name in out_names:
             raise SampleError(shard, sample.key, source.name, f"output name '{name}' collides with another member")
@@ -121,7 +124,7 @@ def _decode(member: Member, kind: str, options: TransformOptions, shard: str, ke
             if kind == "mask":
                 # Masks keep their values (class indices, palette indices), so PIL, not an RGB decode.
                 probe.load()
-                array = np.asarray(probe)
+                array = np.array(probe)  # a writable copy: torch refuses read-only buffers
                 if array.ndim == 3:
                     array = array[..., 0]
                 return tv_tensors.Mask(torch.from_numpy(_mask_dtype(array)))
