@@ -121,7 +121,6 @@ def test_one_bad_shard_among_several(tmp_path: Path) -> None:
     assert (folder / "good.tar").exists() and not (folder / "bad.tar").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="cli._apply leaves '<output>.partial' behind after a failure (reported)")
 def test_failure_leaves_no_partial_file(tmp_path: Path) -> None:
     source = tmp_path / "in.tar"
     source.write_bytes(small_shard(3)[:3000])

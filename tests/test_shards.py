@@ -111,7 +111,6 @@ def test_non_file_members_pass_through_as_their_own_groups() -> None:
         assert archive.extractfile(out[1]).read() == b"1"
 
 
-@pytest.mark.xfail(strict=True, reason="shards.read_samples appends a keyed member to a keyless group (reported)")
 def test_keyless_member_does_not_absorb_the_next_sample() -> None:
     """'k' (no dot) and 'k.cls' are different things; webdataset drops the first and keys the second 'k'.
 

@@ -90,6 +90,14 @@ def _apply(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     options = parse_etl_args(args.etl_args, settings)
     several = len(args.inputs) > 1
+    missing = [str(p) for p in args.inputs if not p.is_file()]
+    if missing:
+        print(f"error: no such shard file: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    names = [p.name for p in args.inputs]
+    if several and len(set(names)) != len(names):
+        print("error: several inputs share a file name; their outputs would overwrite each other", file=sys.stderr)
+        return 2
     if several:
         args.output.mkdir(parents=True, exist_ok=True)
     pool = TransformPool(settings.workers, settings.max_inflight)
@@ -112,6 +120,8 @@ def _apply(args: argparse.Namespace) -> int:
                 except TransformerError as exc:
                     print(f"error: {exc.message}", file=sys.stderr)
                     failed += 1
+                    out.close()
+                    partial.unlink(missing_ok=True)
                     continue
             os.replace(partial, target)  # never leave a truncated shard under the final name
             dropped = len(report.errors)

@@ -55,7 +55,9 @@ def read_samples(stream: BinaryIO, shard: str, max_member_bytes: int) -> Iterato
             else:  # directories, links: passed through as their own group
                 key, extension, data = info.name, None, b""
             member = Member(info=info, pieces=[data] if data else [])
-            if current is not None and key == current.key and extension is not None:
+            # A member without an extension is a group of its own: nothing joins it (it has no sample key).
+            if current is not None and key == current.key and extension is not None \
+                    and current.extensions[0] is not None:
                 current.members.append(member)
                 current.extensions.append(extension)
                 continue
