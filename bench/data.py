@@ -7,7 +7,9 @@ can be sent as a request body and named by ``etl_fqn`` (the service accepts only
 from __future__ import annotations
 
 import io
+import itertools
 import tarfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,31 +73,42 @@ def demo_shards(root: Path, shards: int, samples: int, seed: int = 0) -> list[Sh
     return [count(p) for p in sorted(folder.glob(f"{tag}-*.tar"))]
 
 
-def big_shard(root: Path, sources: list[Shard], target_bytes: int) -> Shard:
-    """A shard of at least ``target_bytes``: the sources' samples repeated under fresh keys, streamed to disk.
+def sized_shard(root: Path, sources: list[Shard], target_bytes: int, name: str) -> Shard:
+    """A shard of about ``target_bytes`` (the first sample boundary past it), streamed to disk.
 
-    Only one source shard's members are held in memory at a time; keys get a ``_r<repeat>`` suffix so
-    every sample is unique (webdataset groups by key and would merge repeats otherwise).
+    Samples are taken from ``sources`` in order, cycling through them again as often as needed; from
+    the second pass on, keys get a ``_r<pass>`` suffix so every sample stays unique (webdataset groups
+    by key and would merge repeats). Only one source shard's members are in memory at a time.
     """
-    path = object_dir(root) / f"big-{target_bytes >> 20}MiB.tar"
+    path = object_dir(root) / name
     if path.exists() and path.stat().st_size >= target_bytes:
         return count(path)
     partial = path.with_name(path.name + ".partial")
-    written, repeat = 0, 0
+    written, last_key = 0, None
     with open(partial, "wb") as raw, tarfile.open(fileobj=raw, mode="w|", format=tarfile.USTAR_FORMAT) as out:
-        while written < target_bytes:
-            for source in sources:
-                for name, data in _members(source.path):
-                    key, ext = base_plus_ext(name)
-                    info = tarfile.TarInfo(f"{key}_r{repeat:05d}.{ext}" if key is not None else name)
-                    info.size, info.mtime, info.mode = len(data), 1_700_000_000, 0o644
-                    out.addfile(info, io.BytesIO(data))
-                    written += tarfile.BLOCKSIZE + -(-len(data) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
-                repeat += 1
-                if written >= target_bytes:
-                    break
+        for repeat, member_name, data in _cycle(sources):
+            key, ext = base_plus_ext(member_name)
+            if written >= target_bytes and key != last_key:
+                break
+            last_key = key
+            info = tarfile.TarInfo(member_name if key is None or repeat == 0 else f"{key}_r{repeat:05d}.{ext}")
+            info.size, info.mtime, info.mode = len(data), 1_700_000_000, 0o644
+            out.addfile(info, io.BytesIO(data))
+            written += tarfile.BLOCKSIZE + -(-len(data) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
     partial.replace(path)
     return count(path)
+
+
+def _cycle(sources: list[Shard]) -> Iterator[tuple[int, str, bytes]]:
+    """(pass, member name, bytes) over the sources' file members, endlessly; ends if they hold none."""
+    for repeat in itertools.count():
+        empty = True
+        for source in sources:
+            for member_name, data in _members(source.path):
+                empty = False
+                yield repeat, member_name, data
+        if empty:
+            return
 
 
 def _members(path: Path) -> list[tuple[str, bytes]]:

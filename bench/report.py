@@ -160,8 +160,10 @@ def write_markdown(results: dict, path: Path) -> None:
         "",
         f"Shards: {len(demo)} demo shards of {demo[0]['samples']} samples "
         f"({demo[0]['bytes'] / 1e6:.1f} MB each, {demo[0]['bytes'] / max(1, demo[0]['images']) / 1e3:.0f} KB per "
-        f"sample)" + (f"; large shard {shards['big']['bytes'] / 2**30:.2f} GiB, {shards['big']['images']} images"
-                      if shards["big"] else "") + f". Workers: {meta['settings']['workers']} (service threads, "
+        f"sample)" + (f"; memory comparison: {shards['small']['bytes'] / 1e6:.0f} MB ({shards['small']['images']} "
+                      f"images) and {shards['big']['bytes'] / 2**30:.2f} GiB ({shards['big']['images']} images) "
+                      "shards made of the demo samples" if shards.get("big") else "")
+        + f". Workers: {meta['settings']['workers']} (service threads, "
         f"compute-limit threads, peer uvicorn workers). Rounds: {len(results.get('round_seconds', []))}.",
         "",
         "## Targets",

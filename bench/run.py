@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--work", type=Path, help="folder for shards and logs (default: a temporary folder)")
     parser.add_argument("--shards", type=int, help="demo shards (default 4; smoke 2)")
     parser.add_argument("--samples", type=int, help="samples per demo shard (default 1000; smoke 16)")
+    parser.add_argument("--small-mb", type=int, help="size of the small shard of the memory comparison in MB "
+                        "(default 25; smoke 1)")
     parser.add_argument("--big-mib", type=int, help="size of the large shard in MiB (default 1024; smoke 8)")
     parser.add_argument("--rounds", type=int, help="measurement rounds (default 3; smoke 1)")
     parser.add_argument("--concurrency", type=int, help="concurrent shards of the 'several' case (default 4)")
@@ -56,6 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     smoke = args.smoke
     defaults = {"shards": 2 if smoke else 4, "samples": 16 if smoke else 1000, "big_mib": 8 if smoke else 1024,
+                "small_mb": 1 if smoke else 25,
                 "rounds": 1 if smoke else 3, "concurrency": 2 if smoke else 4, "budget": 240 if smoke else 1500}
     for name, value in defaults.items():
         if getattr(args, name) is None:
@@ -104,14 +107,20 @@ def run(args: argparse.Namespace, budget: Budget, logs: Path) -> dict:
     results: dict = {"measurements": [], "skipped": [], "compute": [], "engine": [], "single_thread": [],
                      "decoders": [], "memory": [], "client": []}
 
-    log.info("shards: %d demo shards x %d samples, and a %d MiB shard", args.shards, args.samples, args.big_mib)
+    log.info("shards: %d demo shards x %d samples; %d MB and %d MiB shards from their samples", args.shards,
+             args.samples, args.small_mb, args.big_mib)
     shards = data.demo_shards(args.work, args.shards, args.samples)
-    big = None if "big" in args.skip else data.big_shard(args.work, shards[:1], args.big_mib << 20)
-    results["shards"] = {
-        "demo": [{"name": s.path.name, "bytes": s.size, "samples": s.samples, "images": s.images} for s in shards],
-        "big": None if big is None else {"name": big.path.name, "bytes": big.size, "samples": big.samples,
-                                         "images": big.images},
-    }
+    small = big = None
+    if "big" not in args.skip:
+        small = data.sized_shard(args.work, shards, args.small_mb * 10**6, f"small-{args.small_mb}MB.tar")
+        big = data.sized_shard(args.work, shards, args.big_mib << 20, f"big-{args.big_mib}MiB.tar")
+
+    def describe(shard: data.Shard | None) -> dict | None:
+        if shard is None:
+            return None
+        return {"name": shard.path.name, "bytes": shard.size, "samples": shard.samples, "images": shard.images}
+
+    results["shards"] = {"demo": [describe(s) for s in shards], "small": describe(small), "big": describe(big)}
     samples = compute.load_samples(shards[0].path, settings)
 
     if "decoders" not in args.skip:
@@ -142,7 +151,7 @@ def run(args: argparse.Namespace, budget: Budget, logs: Path) -> dict:
             if round_index == 0:
                 # Sections that must appear in every report run after the first round, before extra rounds.
                 if big is not None:
-                    measure_memory(args, budget, results, logs, shards[0], big, None if not args.smoke else service)
+                    measure_memory(args, budget, results, logs, small, big, None if not args.smoke else service)
                 if "client" not in args.skip:
                     measure_client(args, budget, results, shards, service)
     finally:

@@ -1,0 +1,74 @@
+"""A CI-sized run of the benchmark (``python -m bench.run --smoke``), so the harness cannot rot.
+
+Not a timed test: it checks that every section ran, that both servers answered every request with a
+float32 ``.npy`` per image, and that the report files were written, not how fast anything was.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+NPY_FLOAT32_224 = 3 * 224 * 224 * 4  # payload bytes of one (3, 224, 224) float32 array
+
+pytestmark = pytest.mark.skipif(shutil.which("curl") is None, reason="the benchmark drives HTTP with curl")
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("bench-out")
+    work = tmp_path_factory.mktemp("bench-work")
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--smoke", "--out", str(out), "--work", str(work), "--budget", "200"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=280,
+    )
+    logs = "\n".join(p.read_text(errors="replace")[-2000:] for p in sorted((work / "logs").glob("*.log")))
+    assert done.returncode == 0, f"bench failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}\n{logs}"
+    return json.loads((out / "results.json").read_text()), out
+
+
+def test_every_section_ran_and_nothing_was_skipped(smoke: tuple[dict, Path]) -> None:
+    results, _ = smoke
+    assert results["skipped"] == []
+    assert {r["preset"] for r in results["compute"]} == {"imagenet-train", "imagenet-val"}
+    assert all(r["images_per_s"] > 0 for r in results["compute"])
+    assert {r["option"].split()[0] for r in results["decoders"]} >= {"torchvision", "PIL"}
+    seen = {(r["system"], r["mode"], r["concurrency"]) for r in results["measurements"] if r["shard"] == "demo"}
+    for system in ("service", "peer"):
+        cases = {("hpush-body", 1), ("hpush-fqn", 1), ("ws", 1), ("hpush-fqn", 2)}
+        assert {(system, mode, c) for mode, c in cases} <= seen
+    assert {(m["mode"], m["shard"]) for m in results["memory"]} == {
+        (mode, size) for mode in ("hpush-fqn", "hpush-body") for size in ("small", "big")
+    }
+    readers = {c["reader"].split(",")[0] for c in results["client"]}
+    assert readers == {"client-side decoding (raw shards)", "transformer.client"}
+    assert all(c["samples"] > 0 and c["complete"] for c in results["client"])
+
+
+def test_both_servers_returned_a_float32_array_per_image(smoke: tuple[dict, Path]) -> None:
+    results, _ = smoke
+    shard_images = {s["name"]: s["images"] for s in results["shards"]["demo"]}
+    assert all(n > 0 for n in shard_images.values())
+    for row in results["measurements"]:
+        assert row["failed"] == 0, row["errors"]
+        assert row["images"] > 0 and row["images_per_s"] > 0
+        # Every image became a (3, 224, 224) float32 .npy: the output holds at least that many payload bytes.
+        assert row["bytes_out"] >= row["images"] * NPY_FLOAT32_224, (row["system"], row["mode"])
+        assert len(row["latency_s"]) == row["requests"] and row["peak_rss"] > 0
+
+
+def test_report_files_are_written(smoke: tuple[dict, Path]) -> None:
+    results, out = smoke
+    markdown = (out / "results.md").read_text()
+    for heading in ("## Targets", "## Compute limit", "## Throughput over HTTP", "## Memory",
+                    "## What the training loop receives", "## Decode and resize options"):
+        assert heading in markdown
+    assert results["meta"]["command"].startswith("python -m bench.run --smoke")
+    assert results["meta"]["versions"]["torch"]
+    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
