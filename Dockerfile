@@ -1,0 +1,71 @@
+# syntax=docker/dockerfile:1
+# AIStore ETL transformer for WebDataset shards: `wds-transform serve` on 0.0.0.0:8000 (docs/deploy.md).
+#
+#   CPU (default): docker build -t REGISTRY/ais-wds-transformer:0.1.0 .
+#   CUDA variant:  docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu130 \
+#                      -t REGISTRY/ais-wds-transformer:0.1.0-cu130 .
+#
+# tests/test_deploy.py lints this file, runs its pip steps against PyPI and starts its entry command.
+
+# 3.11 is the Python requirements/*.txt were locked for (requirements/lock.py); change both together.
+ARG PYTHON_VERSION=3.11
+ARG DEBIAN_RELEASE=trixie
+
+FROM python:${PYTHON_VERSION}-slim-${DEBIAN_RELEASE} AS build
+# PyTorch's CPU wheels: a ~190 MB download instead of PyPI's CUDA build, ~5.9 GB installed with its
+# nvidia-*/cuda-*/triton wheels; the pod runs on storage nodes without GPUs. A CUDA index (whl/cu130, ...) gives the GPU variant.
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_ROOT_USER_ACTION=ignore
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+WORKDIR /build
+# Everything except torch/torchvision, exactly as locked: --no-deps because the file is the whole set,
+# hashes so that a changed or substituted file fails the build.
+COPY requirements/server.txt requirements/
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip install --no-deps --require-hashes --only-binary=:all: -r requirements/server.txt
+# torch/torchvision from PyTorch's index, after the lock: their other requirements are then already
+# satisfied by pinned versions (a CUDA index adds only its nvidia-* wheels).
+COPY requirements/torch.txt requirements/
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip install --only-binary=:all: --index-url "${TORCH_INDEX}" -r requirements/torch.txt
+COPY pyproject.toml README.md ./
+COPY transformer/ transformer/
+# The locked setuptools builds the package (no build isolation: nothing unpinned is downloaded).
+RUN pip install --no-deps --no-build-isolation --no-cache-dir . \
+    && pip check
+
+FROM python:${PYTHON_VERSION}-slim-${DEBIAN_RELEASE}
+ARG PYTHON_VERSION
+ARG DEBIAN_RELEASE
+# Same as pyproject.toml's version and the k8s/ image tags (tests/test_deploy.py checks).
+ARG VERSION=0.1.0
+LABEL org.opencontainers.image.title="ais-wds-transformer" \
+      org.opencontainers.image.description="AIStore ETL: WebDataset shards -> torchvision v2 transforms -> .npy, streamed" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.licenses="MIT" \
+      org.opencontainers.image.base.name="docker.io/library/python:${PYTHON_VERSION}-slim-${DEBIAN_RELEASE}"
+# Group 0: AIS targets run as root and create objects 0640 root:root, so an FQN is readable through
+# group 0 (contract section 2.1) without running as root. The runtime spec has no securityContext.
+RUN useradd --no-log-init --system --uid 10001 --gid 0 --no-create-home --home-dir /nonexistent \
+        --shell /usr/sbin/nologin etl
+COPY --from=build /opt/venv /opt/venv
+# Bytecode was compiled at install time; nothing is written at run time (read-only root FS works).
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    ETL_HOST=0.0.0.0 \
+    ETL_PORT=8000
+USER 10001:0
+EXPOSE 8000
+# Docker only (Kubernetes ignores HEALTHCHECK; AIS adds its own readiness probe on /health).
+# python, not curl: the slim base has no curl, and ETL_PORT is read at check time.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('ETL_PORT', '8000'), timeout=4)"]
+# Exec form: wds-transform is PID 1 and gets SIGTERM itself (uvicorn drains in-flight shards).
+# `serve` sets what AIS needs from uvicorn (transformer/cli.py): keep-alive ETL_KEEPALIVE=75 s, above the
+# target's 6 s idle timeout; WebSocket messages up to 16 GiB; pings off. tests/test_deploy.py checks the
+# first two against this very command. AIS's runtime.command, when set, replaces both lines; k8s/ does not.
+ENTRYPOINT ["wds-transform"]
+CMD ["serve"]
