@@ -87,16 +87,26 @@ def _jpegs(samples: list[Sample], limit: int) -> list[bytes]:
     return out
 
 
-def _median_ms(fn: Callable[[bytes], object], images: list[bytes], repeats: int) -> float:
-    for data in images[:5]:
-        fn(data)
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for data in images:
+def _interleaved_ms(functions: dict[str, Callable[[bytes], object]], images: list[bytes], repeats: int) -> dict:
+    """Median ms/image of each function, the functions taking turns in every repeat.
+
+    Taking turns (rather than timing one option after the other) spreads the load other jobs put on
+    this machine over all options alike, so their ratios hold even when absolute figures wander.
+    """
+    for fn in functions.values():
+        for data in images[:3]:
             fn(data)
-        runs.append((time.perf_counter() - start) / len(images))
-    return statistics.median(runs) * 1e3
+    runs: dict[str, list[float]] = {name: [] for name in functions}
+    for _ in range(repeats):
+        for name, fn in functions.items():
+            start = time.perf_counter()
+            for data in images:
+                fn(data)
+            runs[name].append((time.perf_counter() - start) / len(images))
+    return {name: statistics.median(values) * 1e3 for name, values in runs.items()}
+
+
+PIL_V1 = "PIL decode + PIL bilinear resize + crop (v1 path)"
 
 
 def decode_options(samples: list[Sample], images: int = 100, repeats: int = 3) -> list[dict]:
@@ -164,16 +174,15 @@ def decode_options(samples: list[Sample], images: int = 100, repeats: int = 3) -
         )
         return mae, all(torch.equal(o, r) for o, r in zip(outputs, reference))
 
+    pipelines = {name: (lambda d, decode=decode: val_uint8(decode(d))) for name, decode in decoders.items()}
+    pipelines[PIL_V1] = pil_val
+    decode_ms = _interleaved_ms(decoders, jpegs, repeats)
+    pipeline_ms = _interleaved_ms(pipelines, jpegs, repeats)
     rows = []
-    for name, decode in decoders.items():
-        decode_ms = _median_ms(decode, jpegs, repeats)
-        pipeline_ms = _median_ms(lambda d, decode=decode: val_uint8(decode(d)), jpegs, repeats)
-        mae, exact = error([val_uint8(decode(d)) for d in jpegs])
-        rows.append({"option": name, "decode_ms": decode_ms, "val_uint8_ms": pipeline_ms, "mae": mae, "exact": exact})
-    pil_ms = _median_ms(pil_val, jpegs, repeats)
-    mae, exact = error([pil_val(d) for d in jpegs])
-    rows.append({"option": "PIL decode + PIL bilinear resize + crop (v1 path)", "decode_ms": None,
-                 "val_uint8_ms": pil_ms, "mae": mae, "exact": exact})
+    for name, pipeline in pipelines.items():
+        mae, exact = error([pipeline(d) for d in jpegs])
+        rows.append({"option": name, "decode_ms": decode_ms.get(name), "val_uint8_ms": pipeline_ms[name],
+                     "mae": mae, "exact": exact})
     sizes = [Image.open(io.BytesIO(d)).size for d in jpegs]
     width, height = statistics.median(w for w, _ in sizes), statistics.median(h for _, h in sizes)
     return [dict(row, images=len(jpegs), mean_bytes=statistics.fmean(map(len, jpegs)),

@@ -128,25 +128,31 @@ def run(args: argparse.Namespace, budget: Budget, logs: Path) -> dict:
         results["decoders"] = compute.decode_options(samples, images=10 if args.smoke else 100,
                                                      repeats=1 if args.smoke else 3)
 
-    service = services.start_service(logs, args.work, args.workers)
-    peer = None if "peer" in args.skip else services.start_peer(logs, args.workers)
+    # ws gets server instances of its own: one message per shard means the whole output in memory, and
+    # the heap it leaves behind would otherwise inflate the peak RSS of every HTTP case measured after it.
+    servers: dict[str, services.Server] = {"service": services.start_service(logs, args.work, args.workers)}
+    if "ws" not in args.skip:
+        servers["service-ws"] = services.start_service(logs, args.work, args.workers, name="service-ws")
+    if "peer" not in args.skip:
+        servers["peer"] = services.start_peer(logs, args.workers)
+        if "ws" not in args.skip:
+            servers["peer-ws"] = services.start_peer(logs, args.workers, name="peer-ws")
     try:
-        service.ready()
-        if peer is not None:
-            peer.ready()
+        for server in servers.values():
+            server.ready()
     except Exception:
-        service.stop()
-        if peer is not None:
-            peer.stop()
+        for server in servers.values():
+            server.stop()
         raise
-    results["servers"] = {"service_idle_rss": service.idle_rss, "peer_idle_rss": peer.idle_rss if peer else None}
+    service = servers["service"]
+    results["servers"] = {name: {"idle_rss": server.idle_rss} for name, server in servers.items()}
     try:
         for round_index in range(args.rounds):
             if round_index > 0 and budget.remaining() < _round_estimate(results):
                 results["skipped"].append(f"rounds {round_index + 1}..{args.rounds}: time budget")
                 break
             round_start = time.monotonic()
-            measure_round(args, budget, results, round_index, samples, settings, shards, service, peer)
+            measure_round(args, budget, results, round_index, samples, settings, shards, servers)
             results.setdefault("round_seconds", []).append(time.monotonic() - round_start)
             if round_index == 0:
                 # Sections that must appear in every report run after the first round, before extra rounds.
@@ -155,9 +161,8 @@ def run(args: argparse.Namespace, budget: Budget, logs: Path) -> dict:
                 if "client" not in args.skip:
                     measure_client(args, budget, results, shards, service)
     finally:
-        service.stop()
-        if peer is not None:
-            peer.stop()
+        for server in servers.values():
+            server.stop()
     return results
 
 
@@ -167,7 +172,7 @@ def _round_estimate(results: dict) -> float:
 
 
 def measure_round(args, budget: Budget, results: dict, round_index: int, samples, settings, shards,
-                  service: services.Server, peer: services.Server | None) -> None:
+                  servers: dict[str, services.Server]) -> None:
     paths = [s.path for s in shards]
     for preset in PRESETS:
         log.info("round %d, %s: compute limit", round_index + 1, preset)
@@ -180,12 +185,13 @@ def measure_round(args, budget: Budget, results: dict, round_index: int, samples
         results["single_thread"].append({"round": round_index, "preset": preset,
                                          "ms_per_image": single["seconds"] / single["images"] * 1e3})
         etl_args = json.dumps({"preset": preset})
-        for system, server in (("service", service), ("peer", peer)):
-            if server is None:
+        for system in ("service", "peer"):
+            if system not in servers:
                 continue
             cases = [(mode, 1) for mode in MODES if not (mode == "ws" and "ws" in args.skip)]
             cases.append(("hpush-fqn", args.concurrency))
             for mode, concurrency in cases:
+                server = servers[f"{system}-ws" if mode == "ws" else system]
                 requests = paths if concurrency > 1 else paths[: max(1, len(paths) // 2)]
                 if concurrency > 1 and len(requests) < concurrency:
                     requests = (requests * concurrency)[:concurrency]
