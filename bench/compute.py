@@ -88,10 +88,11 @@ def _jpegs(samples: list[Sample], limit: int) -> list[bytes]:
 
 
 def _interleaved_ms(functions: dict[str, Callable[[bytes], object]], images: list[bytes], repeats: int) -> dict:
-    """Median ms/image of each function, the functions taking turns in every repeat.
+    """Median CPU ms/image of each function (this thread's CPU time), the functions taking turns.
 
-    Taking turns (rather than timing one option after the other) spreads the load other jobs put on
-    this machine over all options alike, so their ratios hold even when absolute figures wander.
+    CPU time, not wall time: other jobs on this machine take the cores away at random, which changes
+    wall time by multiples but a single thread's CPU time hardly. Taking turns spreads what is left
+    (cache and memory-bandwidth contention) over all options alike.
     """
     for fn in functions.values():
         for data in images[:3]:
@@ -99,10 +100,10 @@ def _interleaved_ms(functions: dict[str, Callable[[bytes], object]], images: lis
     runs: dict[str, list[float]] = {name: [] for name in functions}
     for _ in range(repeats):
         for name, fn in functions.items():
-            start = time.perf_counter()
+            start = time.thread_time()
             for data in images:
                 fn(data)
-            runs[name].append((time.perf_counter() - start) / len(images))
+            runs[name].append((time.thread_time() - start) / len(images))
     return {name: statistics.median(values) * 1e3 for name, values in runs.items()}
 
 
