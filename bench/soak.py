@@ -334,6 +334,7 @@ def run(args: argparse.Namespace) -> dict:
     kinds = workload(root, args.samples)
     service = ServiceProcess(root, args.workers, log_path)
     report: dict = {"duration_s": args.duration, "concurrency": args.concurrency, "samples_per_shard": args.samples,
+                    "client_nice": args.client_nice, "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(),
                     "kinds": {k.name: {"weight": k.weight, "expected_status": k.status} for k in kinds}}
     try:
         service.wait_healthy()
@@ -345,6 +346,10 @@ def run(args: argparse.Namespace) -> dict:
         stop = threading.Event()
         started = time.monotonic()
         prober = start_health_prober(service.port, args.duration)
+        if args.client_nice:
+            # The load generator stands in for remote AIS targets: lower its priority so that its
+            # 16 client threads do not take the CPU the pod and the prober would have on a real node.
+            os.nice(args.client_nice)
         sampler = threading.Thread(target=sample_process, args=(service.process.pid, stop, samples, started),
                                    daemon=True)
         sampler.start()
@@ -385,6 +390,7 @@ def run(args: argparse.Namespace) -> dict:
                     "peak": max((s["threads"] for s in samples), default=0)},
         "fds": {"before": before["fds"], "after": after["fds"], "peak": max((s["fds"] for s in samples), default=0)},
         "sigterm_exit_s": round(stop_seconds, 2),
+        "loadavg_end": os.getloadavg(),
         "examples": {"wrong": tally.wrong[:5], "lost": tally.lost[:5], "health_failures": health_failures[:5]},
         "samples": samples,
         "service_log": str(log_path),
@@ -409,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", default="", help="ETL_WORKERS of the service (default: its own default)")
     parser.add_argument("--health-p99-ms", type=float, default=HEALTH_P99_LIMIT_MS,
                         help="pass criterion for the /health p99 (default 100 ms)")
+    parser.add_argument("--client-nice", type=int, default=10,
+                        help="niceness added to this load generator once the service and prober run (default 10)")
     parser.add_argument("--out", type=Path, help="write the JSON report here")
     args = parser.parse_args(argv)
     report = run(args)
