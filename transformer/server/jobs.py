@@ -24,6 +24,7 @@ from ..config import Settings
 from ..engine import ShardReport, TransformPool, transform_shard
 from ..errors import Cancelled, RequestError, TransformerError, UpstreamError
 from ..options import TransformOptions
+from .duplex import duplex_put
 from .hops import (
     HEADER_DIRECT_PUT_LENGTH,
     HEADER_NODE_URL,
@@ -361,9 +362,10 @@ class ShardJob:
             else:
                 self._to_stage(self.hop)
             outcome = "ok"
-        except Cancelled:
+        except Cancelled as exc:
             outcome = "cancelled"
             log.info("shard %s: caller went away; work stopped", self.shard)
+            self._emit(exc)  # ends the response coroutine too, whether or not the response had started
         except TransformerError as exc:
             log.warning("%s", exc.message)
             self._emit(exc)
@@ -392,19 +394,18 @@ class ShardJob:
 
     def _to_stage(self, hop: EtlStage) -> None:
         headers = {HEADER_NODE_URL: hop.remaining} if hop.remaining else {}
-        response = put_stream(self.runtime.client, hop.url, self._output, headers=headers,
-                              deadline=self.deadline, replayable=self.source.replayable)
+        # Full duplex: a streaming stage answers while it still reads (see duplex.py); stage URLs carry no secret.
+        response = duplex_put(hop.url, self._output(), headers, self.deadline, shown_url=hop.url.split("?")[0])
         with contextlib.closing(response):
             if response.status_code == 200:
-                for chunk in response.iter_raw():
+                for chunk in response.iter_bytes():
                     self._emit_chunk(chunk)
                 self._emit(None)
             elif response.status_code == 204:
                 length = response.headers.get(HEADER_DIRECT_PUT_LENGTH)
                 self._emit(Final(204, b"", {HEADER_DIRECT_PUT_LENGTH: length} if length else None))
             else:
-                response.read()
-                self._emit(Final(response.status_code, response.content))
+                self._emit(Final(response.status_code, response.read()))
 
 
 def fqn_source(raw: str, runtime: Runtime, deadline: float, *, shard: str, object_name: str,
