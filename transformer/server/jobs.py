@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -169,6 +170,7 @@ class BodySource(Source):
     def __init__(self, loop: asyncio.AbstractEventLoop, cancel: threading.Event):
         self.loop, self.cancel = loop, cancel
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=16)
+        self.complete = threading.Event()  # the whole body has been received
 
     async def pump(self, receive: Callable, on_disconnect: Callable[[], None]) -> None:
         """Move body chunks into the queue (awaiting room: TCP backpressure), then watch for disconnect."""
@@ -182,6 +184,7 @@ class BodySource(Source):
             if body:
                 await self.queue.put(body)
             if not message.get("more_body", False):
+                self.complete.set()
                 await self.queue.put(b"")
                 break
         await watch_disconnect(receive, on_disconnect)
@@ -294,6 +297,46 @@ class Final:
     headers: dict[str, str] | None = None
 
 
+class _Spill:
+    """Output parked on disk (unlinked temp file) while a half-duplex caller is still sending."""
+
+    def __init__(self) -> None:
+        self._file = tempfile.TemporaryFile(prefix="wds-transform-spill-")
+        self._written = 0
+        self._pending = 0
+        self._lock = threading.Lock()
+
+    def fileno(self) -> int:
+        return self._file.fileno()
+
+    def write(self, chunk: bytes | memoryview) -> _Spilled:
+        offset = self._written
+        self._file.write(chunk)
+        self._file.flush()
+        self._written += len(chunk)
+        with self._lock:
+            self._pending += 1
+        return _Spilled(self, offset, len(chunk))
+
+    def consumed(self) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def drained(self) -> bool:
+        with self._lock:
+            return self._pending == 0
+
+    def close(self) -> None:
+        self._file.close()
+
+
+@dataclass
+class _Spilled:
+    spill: _Spill
+    offset: int
+    length: int
+
+
 class ShardJob:
     """Transforms one shard in a driver thread; the event loop consumes ``next_item()``."""
 
@@ -307,6 +350,7 @@ class ShardJob:
         self._loop = asyncio.get_running_loop()
         self._items: asyncio.Queue = asyncio.Queue()
         self._room = threading.Semaphore(_OUTPUT_QUEUE_CHUNKS)
+        self._spill: _Spill | None = None
         self.bytes_in = 0
 
     def start(self) -> None:
@@ -317,6 +361,10 @@ class ShardJob:
         item = await self._items.get()
         if isinstance(item, bytes | memoryview):
             self._room.release()
+        elif isinstance(item, _Spilled):
+            data = await asyncio.to_thread(os.pread, item.spill.fileno(), item.length, item.offset)
+            item.spill.consumed()
+            return data
         return item
 
     # -- driver thread ---------------------------------------------------------------------------
@@ -325,10 +373,27 @@ class ShardJob:
         self._loop.call_soon_threadsafe(self._items.put_nowait, item)
 
     def _emit_chunk(self, chunk) -> None:
-        while not self._room.acquire(timeout=0.2):
-            if self.cancel.is_set():
-                raise Cancelled(f"shard '{self.shard}': caller went away")
-        self._emit(chunk)
+        spill = self._spill
+        if spill is not None and spill.drained() and self._body_complete():
+            spill.close()  # the caller caught up and the input is in: back to in-memory backpressure
+            spill = self._spill = None
+        if spill is None:
+            while not self._room.acquire(timeout=0.2):
+                if self.cancel.is_set():
+                    raise Cancelled(f"shard '{self.shard}': caller went away")
+                if not self._body_complete():
+                    # The caller is not reading while it still sends: a half-duplex client (requests,
+                    # httpx, the SDK's pipeline stages) would deadlock with us. Keep consuming input.
+                    spill = self._spill = _Spill()
+                    log.info("shard %s: caller is not reading yet; spilling output to disk", self.shard)
+                    break
+            else:
+                self._emit(chunk)
+                return
+        self._emit(spill.write(chunk))
+
+    def _body_complete(self) -> bool:
+        return not isinstance(self.source, BodySource) or self.source.complete.is_set()
 
     def _output(self) -> Iterator[bytes | memoryview]:
         """The transformed shard; opening the source again on every call (for retries)."""
