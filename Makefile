@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= server,client,test
+EXTRAS ?= server,client,demo,test
 
 .PHONY: install demo test lint clean
 
