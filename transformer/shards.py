@@ -1,7 +1,9 @@
 """Streaming tar in -> samples; members -> streaming tar out. No HTTP and no torch here.
 
-Reading uses the standard library's ``tarfile`` in stream mode (``r|*``: never seeks, handles gzip),
-so the input can be a request body, a local file or an upstream HTTP stream. Samples are grouped by
+Reading uses the standard library's ``tarfile`` in stream mode (``r|*``: never seeks, handles bz2 and
+xz), so the input can be a request body, a local file or an upstream HTTP stream. gzip goes through
+``gzip.GzipFile`` instead, which checks the CRC at the end (tarfile's stream mode never does, so a
+flipped bit in a stored block would pass silently). Samples are grouped by
 webdataset's own key rule (``base_plus_ext``: the key ends at the first dot of the basename), imported
 rather than re-implemented so our grouping can never disagree with the readers'. The grouping loop
 itself is ours because webdataset's ``group_by_keys`` drops the tar headers (mode, mtime, owner) and
@@ -10,7 +12,9 @@ raises on the first duplicate instead of letting the error policy decide.
 
 from __future__ import annotations
 
+import gzip
 import tarfile
+import zlib
 from collections.abc import Iterable, Iterator
 from typing import BinaryIO
 
@@ -20,16 +24,24 @@ from .errors import Cancelled, ShardError
 from .samples import Member, Sample
 
 BLOCK = tarfile.BLOCKSIZE
+# What a damaged or hostile stream can raise from tarfile and the decompressors (tarfile's own gzip
+# reader raised TypeError on a 3-byte gzip header, found by bench/fuzz_tar.py).
+_TAR_ERRORS = (tarfile.TarError, EOFError, OSError, zlib.error, TypeError, ValueError)
 END_OF_ARCHIVE = b"\0" * (2 * BLOCK)
 
 
 def read_samples(stream: BinaryIO, shard: str, max_member_bytes: int) -> Iterator[Sample]:
     """Yield the shard's samples in order; ``ShardError`` if the stream is not a complete tar."""
+    gzipped = None
     try:
+        head = stream.read(2)
+        stream = _Prefixed(head, stream)
+        if head == b"\x1f\x8b":
+            stream = gzipped = gzip.GzipFile(fileobj=stream, mode="rb")
         archive = tarfile.open(fileobj=stream, mode="r|*", errorlevel=2, tarinfo=_StrictTarInfo)
     except Cancelled:
         raise
-    except (tarfile.TarError, EOFError, OSError) as exc:
+    except _TAR_ERRORS as exc:
         raise ShardError(shard, f"not a tar archive ({_reason(exc)})") from None
     current: Sample | None = None
     try:
@@ -45,7 +57,7 @@ def read_samples(stream: BinaryIO, shard: str, max_member_bytes: int) -> Iterato
                     data = archive.extractfile(info).read()
                 except Cancelled:
                     raise
-                except (tarfile.TarError, EOFError, OSError) as exc:
+                except _TAR_ERRORS as exc:
                     raise ShardError(shard, f"truncated inside member '{info.name}' ({_reason(exc)})") from None
                 if len(data) != info.size:
                     raise ShardError(shard, f"truncated inside member '{info.name}'")
@@ -64,10 +76,39 @@ def read_samples(stream: BinaryIO, shard: str, max_member_bytes: int) -> Iterato
             if current is not None:
                 yield current
             current = Sample(key=key, members=[member], extensions=[extension])
+        if gzipped is not None:
+            _check_gzip_end(gzipped, shard)
     finally:
         archive.close()
     if current is not None:
         yield current
+
+
+def _check_gzip_end(gzipped: gzip.GzipFile, shard: str) -> None:
+    """Read past the end-of-archive marker to the gzip trailer, where the CRC is verified."""
+    try:
+        while gzipped.read(1 << 16):
+            pass
+    except Cancelled:
+        raise
+    except _TAR_ERRORS as exc:
+        raise ShardError(shard, f"corrupt gzip stream ({_reason(exc)})") from None
+
+
+class _Prefixed:
+    """A read-only stream: ``head`` (bytes already read to sniff the format), then the rest."""
+
+    def __init__(self, head: bytes, stream: BinaryIO):
+        self._head, self._stream = head, stream
+
+    def read(self, size: int = -1) -> bytes:
+        if not self._head:
+            return self._stream.read(size)
+        if size is None or size < 0:
+            data, self._head = self._head + self._stream.read(), b""
+            return data
+        data, self._head = self._head[:size], self._head[size:]
+        return data if len(data) == size else data + self._stream.read(size - len(data))
 
 
 def _members(archive: tarfile.TarFile, shard: str) -> Iterator[tarfile.TarInfo]:
@@ -76,7 +117,7 @@ def _members(archive: tarfile.TarFile, shard: str) -> Iterator[tarfile.TarInfo]:
             info = archive.next()
         except Cancelled:
             raise
-        except (tarfile.TarError, EOFError, OSError) as exc:
+        except _TAR_ERRORS as exc:
             raise ShardError(shard, f"corrupt or truncated tar ({_reason(exc)})") from None
         if info is None:
             return

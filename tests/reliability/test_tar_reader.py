@@ -75,3 +75,27 @@ def test_memory_does_not_grow_with_the_member_count() -> None:
         tracemalloc.stop()
     assert count == 20_000
     assert peak < 5 * 2**20, f"peak {peak / 2**20:.1f} MiB for 20k members: headers are being kept"
+
+
+def test_gzip_shard_with_a_flipped_payload_bit_is_a_shard_error() -> None:
+    # JPEGs do not compress: gzip stores them, so a flipped bit changes the data without a decode error.
+    # Only the CRC at the end of the gzip stream can tell; tarfile's stream mode never checks it.
+    import gzip
+    import random
+
+    noise = random.Random(7)  # incompressible like JPEG, and the same bytes every run
+    data = make_tar([(f"m{i}.bin", noise.randbytes(3000)) for i in range(8)])
+    packed = bytearray(gzip.compress(data, mtime=0))
+    assert keys(bytes(packed)) == [f"m{i}" for i in range(8)]
+    packed[len(packed) // 2] ^= 0x01
+    with pytest.raises(ShardError) as info:
+        keys(bytes(packed))
+    assert "CRC check failed" in info.value.reason  # at the trailer, or in a member read that reached it
+
+
+@pytest.mark.parametrize("data", [b"\x1f\x8b\x08", b"\x1f\x8b", b"\x1f"], ids=["gzip-header-3", "magic", "one-byte"])
+def test_cut_gzip_header_is_a_shard_error(data: bytes) -> None:
+    # tarfile's own gzip reader raised TypeError on the 3-byte case (found by bench/fuzz_tar.py).
+    with pytest.raises(ShardError) as info:
+        keys(data)
+    assert "not a tar archive" in info.value.reason
