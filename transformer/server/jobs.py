@@ -492,7 +492,3 @@ def fqn_source(raw: str, runtime: Runtime, deadline: float, *, shard: str, objec
     uname = uname or object_uname(path, object_name)
     return ObjectFileSource(path, runtime.client, f"{settings.ais_target_url}/{path_escape(uname)}", deadline)
 
-
-def check_fqn_exists(path: str) -> None:
-    if not os.path.isfile(path):
-        raise RequestError(f"etl_fqn '{path}' does not exist", status=404)
