@@ -21,7 +21,8 @@ ERROR_POLICIES = ("skip", "fail", "passthrough")
 
 # name -> (default, description). The single source of truth for the README's settings table.
 VARIABLES: dict[str, tuple[str, str]] = {
-    "ETL_PRESET": ("imagenet-train", "Default preset when etl_args names none: imagenet-train, imagenet-val, resize-224."),
+    "ETL_PRESET": ("imagenet-train", "Default preset when etl_args names none: imagenet-train, imagenet-val, "
+                   "resize-224."),
     "ETL_TRANSFORMS": ("", "Default transform spec (JSON or YAML list of steps); overrides ETL_PRESET."),
     "ETL_DTYPE": ("float32", "Default output dtype: float32, float16, or uint8 (not normalized)."),
     "ETL_LAYOUT": ("CHW", "Default output layout of image arrays: CHW or HWC."),

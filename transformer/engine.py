@@ -152,7 +152,9 @@ def transform_shard(
                 future.cancel()
 
 
-def _outcome(sample: Sample, future: Future, options: TransformOptions, shard: str, report: ShardReport) -> list[Member]:
+def _outcome(
+    sample: Sample, future: Future, options: TransformOptions, shard: str, report: ShardReport
+) -> list[Member]:
     try:
         members = future.result()
     except SampleError as exc:
