@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 import tarfile
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 from PIL import Image
@@ -12,7 +12,7 @@ from PIL import Image
 _PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")
 
 
-@lru_cache(maxsize=None)
+@cache
 def photo(index: int) -> np.ndarray:
     import skimage.data
 
