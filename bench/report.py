@@ -86,13 +86,20 @@ def targets(results: dict, table: list[dict]) -> list[dict]:
         rows.append({"target": f"service {mode} x{c}, imagenet-train float32 >= 90% of the compute limit",
                      "measured": _pct(value), "met": None if value is None else value >= 0.9})
 
-    for mode, c in (("hpush-fqn", concurrency), ("hpush-body", 1)):
+    limits = {r["round"]: r["images_per_s"] for r in results["compute"] if r["preset"] == "imagenet-train"}
+    for mode, c in (("hpush-body", 1), ("hpush-fqn", 1), ("hpush-fqn", concurrency)):
         base = {"preset": "imagenet-train", "mode": mode, "concurrency": c, "shard": "demo"}
         speedup = _per_round_ratio(results, {"system": "service", **base}, {"system": "peer", **base})
+        # The premise ("the compute limit is about 4.5x the conventional ETL"), measured here.
+        premise = median([limits[r["round"]] / r["images_per_s"] for r in results["measurements"]
+                          if r["system"] == "peer" and all(r.get(k) == v for k, v in base.items())
+                          and r["images_per_s"] and r["round"] in limits])
         ours, theirs = _row(table, system="service", **base), _row(table, system="peer", **base)
         rss = ratio(ours["peak_rss_mb"], theirs["peak_rss_mb"]) if ours and theirs else None
         rows.append({"target": f"{mode} x{c}: >= 4x the conventional ETL's images/s",
-                     "measured": _x(speedup), "met": None if speedup is None else speedup >= 4})
+                     "measured": None if speedup is None else f"{speedup:.2f}x (compute limit: "
+                                                              f"{_x(premise) or '–'} the conventional ETL)",
+                     "met": None if speedup is None else speedup >= 4})
         rows.append({"target": f"{mode} x{c}: peak RSS < 1/3 of the conventional ETL's",
                      "measured": None if rss is None else f"{rss:.2f} of it ({ours['peak_rss_mb']:.0f} vs "
                                                           f"{theirs['peak_rss_mb']:.0f} MB)",
@@ -153,7 +160,8 @@ def write_markdown(results: dict, path: Path) -> None:
         f"Machine: {meta['machine']['cpu']}, {meta['machine']['cpus_usable']} usable CPUs "
         f"({meta['machine']['cpus_online']} online), {meta['machine']['memory_gib']} GiB RAM, "
         f"{meta['machine']['platform']}; GPU: {meta['machine']['gpu'] or 'none'}; "
-        f"load average at the end {meta['machine']['load_average_end']} (other jobs share these CPUs: "
+        f"load average (1, 5, 15 min) at the start {meta['machine'].get('load_average_start')} and at the end "
+        f"{meta['machine']['load_average_end']} (other jobs share these CPUs: "
         "compare ratios taken in the same round, not absolute figures across runs).",
         "",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import resource
 import shutil
 import sys
@@ -53,6 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, help="threads of the service and of the compute limit, and the "
                         "peer's uvicorn workers (default: the CPUs this process may use)")
     parser.add_argument("--budget", type=float, help="wall-clock bound in seconds (default 1500; smoke 240)")
+    parser.add_argument("--render", action="store_true", help="only re-render results.md and results.png from the "
+                        "results.json in --out (no measurement)")
     parser.add_argument("--skip", default="", help="comma-separated sections to leave out: "
                         "decoders,peer,ws,big,client")
     args = parser.parse_args(argv)
@@ -74,11 +77,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s bench: %(message)s", datefmt="%H:%M:%S")
+    if args.render:
+        results = json.loads((args.out / "results.json").read_text())
+        report.write_markdown(results, args.out / "results.md")
+        report.write_plot(results, args.out / "results.png")
+        return 0
     if not services.curl_available():
         log.error("curl is needed: it plays the AIS target (a C client that streams body and response at once)")
         return 2
     budget = Budget(args.budget)
     started = time.time()
+    load_start = [round(x, 2) for x in os.getloadavg()]
     temporary = None
     if args.work is None:
         temporary = tempfile.mkdtemp(prefix="wds-bench-")
@@ -92,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         if temporary is not None:
             shutil.rmtree(temporary, ignore_errors=True)
     results["meta"] = report.metadata(argv if argv is not None else sys.argv[1:], args, started)
+    results["meta"]["machine"]["load_average_start"] = load_start
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     report.write_markdown(results, args.out / "results.md")
