@@ -151,3 +151,10 @@ def test_make_shards_command(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     names = [name for name, _ in read_tar((tmp_path / "demo-000000.tar").read_bytes())]
     assert names[:4] == ["sample-000000.cls", "sample-000000.image.jpg", "sample-000000.json",
                          "sample-000000.trimap.png"]
+
+
+def test_demo_shards_can_be_written_into_an_ais_mountpath_folder(tmp_path):
+    # AIS object paths contain "%ob"; the writer's name pattern must not choke on it.
+    folder = tmp_path / "mp" / "@ais" / "bck" / "%ob"
+    paths = make_shards(folder, shards=1, samples=2, seed=0, progress=False)
+    assert paths == [folder / "demo-000000.tar"] and paths[0].stat().st_size > 0

@@ -143,7 +143,9 @@ def make_shards(
         written.append(Path(name))
 
     writer = ShardWriter(
-        str(output / "demo-%06d.tar"), maxcount=samples, verbose=0, opener=open_partial, post=finish,
+        # The folder goes through %-formatting too: AIS disk paths contain "%ob".
+        str(output).replace("%", "%%") + "/demo-%06d.tar", maxcount=samples, verbose=0,
+        opener=open_partial, post=finish,
         encoder=False, mtime=MTIME, mode=0o644, user="demo", group="demo",
     )
     try:
