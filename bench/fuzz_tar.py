@@ -3,7 +3,7 @@
 Any input must either give samples whose keyed members follow webdataset's key rule, or raise
 ``ShardError``; anything else is a crash, ``-timeout`` catches hangs and ``-rss_limit_mb``
 unbounded memory. The CI runs the hypothesis version of this (tests/reliability/test_fuzz.py);
-this is the long run. Example (what docs/reliability.md reports)::
+this is the long run. Example (what the README (Reliability and security) reports)::
 
     python bench/fuzz_tar.py -max_total_time=600 -timeout=10 -rss_limit_mb=2048
 
