@@ -205,6 +205,22 @@ def write_markdown(results: dict, path: Path) -> None:
 
     lines += _cpu_budget(results, table)
 
+    if results.get("uint8"):
+        u = results["uint8"]
+        fraction = median([r["service_images_per_s"] / r["compute_images_per_s"] for r in u
+                           if r["service_images_per_s"]])
+        server, client = median([r["server_cpu_ms_per_image"] for r in u]), median([r["client_cpu_ms_per_image"]
+                                                                                    for r in u])
+        compute8 = median([r["compute_cpu_ms_per_image"] for r in u])
+        lines += ["", "## The same with uint8 output (imagenet-train, hpush-fqn, 1 shard in flight)", "",
+                  "uint8 CHW is a quarter of float32's bytes (150,656 vs 602,240 per image) and skips the float "
+                  "math; the compute limit is measured again with uint8 output.", "",
+                  "| compute limit images/s | CPU ms/image | service images/s | of limit | server CPU ms/image | "
+                  "client CPU ms/image | MB/s out |", "|---|---|---|---|---|---|---|",
+                  f"| {_fmt(median([r['compute_images_per_s'] for r in u]))} | {_fmt(compute8, 2)} | "
+                  f"{_fmt(median([r['service_images_per_s'] for r in u]))} | {_pct(fraction) or '–'} | "
+                  f"{_fmt(server, 2)} | {_fmt(client, 2)} | {_fmt(median([r['mb_out_per_s'] for r in u]))} |"]
+
     lines += ["", "## Throughput over HTTP (loopback, float32 output)", "",
               "Medians over rounds; latency percentiles over every shard request; `of limit` is the ratio to the "
               "compute limit measured in the same round. CPU ms/image counts the whole server process tree.", "",

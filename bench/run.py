@@ -115,7 +115,7 @@ def run(args: argparse.Namespace, budget: Budget, logs: Path) -> dict:
 
     settings = Settings.from_env({})  # defaults: the shell's ETL_* must not skew the compute limit
     results: dict = {"measurements": [], "skipped": [], "compute": [], "engine": [], "single_thread": [],
-                     "decoders": [], "memory": [], "client": []}
+                     "decoders": [], "memory": [], "client": [], "uint8": []}
 
     log.info("shards: %d demo shards x %d samples; %d MB and %d MiB shards from their samples", args.shards,
              args.samples, args.small_mb, args.big_mib)
@@ -196,6 +196,20 @@ def measure_round(args, budget: Budget, results: dict, round_index: int, samples
         results["single_thread"].append({"round": round_index, "preset": preset,
                                          "ms_per_image": single["cpu_ms_per_image"]})
         etl_args = json.dumps({"preset": preset})
+        if preset == "imagenet-train" and budget.remaining() > 60:
+            # The same with uint8 output (a quarter of the bytes): separates the cost of moving float32
+            # arrays through tar, HTTP and the client from the rest of the service's overhead.
+            limit8 = compute.compute_limit(samples, preset, "uint8", args.workers, settings)
+            row8 = measure(budget, results, servers["service"], "service", preset, "hpush-fqn", 1,
+                           paths[: max(1, len(paths) // 2)], shards, json.dumps({"preset": preset, "dtype": "uint8"}),
+                           round_index, shard_label="demo-uint8")
+            if row8 is not None:
+                results["uint8"].append({"round": round_index, "compute_images_per_s": limit8["images_per_s"],
+                                         "compute_cpu_ms_per_image": limit8["cpu_ms_per_image"],
+                                         "service_images_per_s": row8["images_per_s"],
+                                         "server_cpu_ms_per_image": row8["cpu_ms_per_image"],
+                                         "client_cpu_ms_per_image": row8["client_cpu_ms_per_image"],
+                                         "mb_out_per_s": row8["mb_out_per_s"]})
         for system in ("service", "peer"):
             if system not in servers:
                 continue

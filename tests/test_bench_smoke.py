@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-NPY_FLOAT32_224 = 3 * 224 * 224 * 4  # payload bytes of one (3, 224, 224) float32 array
+NPY_PAYLOAD = {"float32": 3 * 224 * 224 * 4, "uint8": 3 * 224 * 224}  # bytes of one (3, 224, 224) array
 
 pytestmark = pytest.mark.skipif(shutil.which("curl") is None, reason="the benchmark drives HTTP with curl")
 
@@ -58,15 +58,19 @@ def test_both_servers_returned_a_float32_array_per_image(smoke: tuple[dict, Path
     for row in results["measurements"]:
         assert row["failed"] == 0, row["errors"]
         assert row["images"] > 0 and row["images_per_s"] > 0
-        # Every image became a (3, 224, 224) float32 .npy: the output holds at least that many payload bytes.
-        assert row["bytes_out"] >= row["images"] * NPY_FLOAT32_224, (row["system"], row["mode"])
+        # Every image became a (3, 224, 224) .npy: the output holds at least that many payload bytes.
+        dtype = "uint8" if row["shard"].endswith("uint8") else "float32"
+        assert row["bytes_out"] >= row["images"] * NPY_PAYLOAD[dtype], (row["system"], row["mode"], dtype)
+        assert row["bytes_out"] < row["images"] * NPY_PAYLOAD[dtype] * 1.5 + row["bytes_in"]
         assert len(row["latency_s"]) == row["requests"] and row["peak_rss"] > 0
+    assert [r["round"] for r in results["uint8"]] == [0]
 
 
 def test_report_files_are_written(smoke: tuple[dict, Path]) -> None:
     results, out = smoke
     markdown = (out / "results.md").read_text()
-    for heading in ("## Targets", "## Compute limit", "## Throughput over HTTP", "## Memory",
+    for heading in ("## Targets", "## Compute limit", "## Where an image's CPU goes", "## The same with uint8",
+                    "## Throughput over HTTP", "## Memory",
                     "## What the training loop receives", "## Decode and resize options"):
         assert heading in markdown
     assert results["meta"]["command"].startswith("python -m bench.run --smoke")
