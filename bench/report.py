@@ -242,17 +242,30 @@ def write_markdown(results: dict, path: Path) -> None:
     if results["memory"]:
         lines += ["", "## Memory: small then large shard (one fresh service per input mode, imagenet-train, "
                       "1 shard in flight)", "",
-                  "| input | shard | images | idle RSS MB | peak RSS MB | images/s | TTFB ms |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| input | shard | images | images/s | MB/s in | MB/s out | TTFB ms | latency ms | idle RSS MB | "
+                  "peak RSS MB |", "|---|---|---|---|---|---|---|---|---|---|"]
         for m in results["memory"]:
             size = f"{m['bytes'] / 2**30:.2f} GiB" if m["bytes"] > 2**30 / 2 else f"{m['bytes'] / 1e6:.0f} MB"
-            lines.append(f"| {m['mode']} | {size} | {m['images']} | {_fmt(m['idle_rss'] / 2**20)} | "
-                         f"{_fmt(m['peak_rss'] / 2**20)} | {_fmt(m['images_per_s'])} | "
-                         f"{_fmt(None if m['ttfb_s'] is None else m['ttfb_s'] * 1e3, 1)} |")
+            row = next((r for r in results["measurements"] if r["shard"] == m["shard"] and r["mode"] == m["mode"]
+                        and r["system"] == "service"), None)
+            lines.append(f"| {m['mode']} | {size} | {m['images']} | {_fmt(m['images_per_s'])} | "
+                         f"{_fmt(row and row['mb_in_per_s'], 1)} | {_fmt(row and row['mb_out_per_s'])} | "
+                         f"{_fmt(None if m['ttfb_s'] is None else m['ttfb_s'] * 1e3, 1)} | "
+                         f"{_fmt(row['latency_s'][0] * 1e3 if row and row['latency_s'] else None)} | "
+                         f"{_fmt(m['idle_rss'] / 2**20)} | {_fmt(m['peak_rss'] / 2**20)} |")
         lines.append("")
-        lines.append("The conventional ETL is not run on the large shard: it holds the whole input, the whole "
-                     "output tar and its copy in memory (about 2 x 5.5 x the input for float32 output), "
-                     "which does not fit this machine.")
+        peer = next((r for r in table if r["system"] == "peer" and r["mode"] == "hpush-fqn"
+                     and r["concurrency"] == 1 and r["shard"] == "demo" and r["preset"] == "imagenet-train"), None)
+        idle = (results.get("servers", {}).get("peer") or {}).get("idle_rss")
+        big = results["shards"].get("big")
+        if peer and idle and big:
+            growth = peer["peak_rss_mb"] - idle / 2**20
+            per_byte = growth * 2**20 / results["shards"]["demo"][0]["bytes"]
+            lines += ["", f"The conventional ETL is not run on the large shard. Its peak RSS grew by {growth:,.0f} MB "
+                          f"for one {results['shards']['demo'][0]['bytes'] / 1e6:.0f} MB demo shard "
+                          f"({per_byte:.1f} bytes per input byte: the input, the output tar in a BytesIO and its "
+                          f"getvalue() copy), so the {big['bytes'] / 2**30:.2f} GiB shard would need about "
+                          f"{per_byte * big['bytes'] / 2**30:.0f} GiB more, on a machine shared with other jobs."]
 
     if results["client"]:
         lines += ["", "## What the training loop receives (WebLoader, batches of 32)", "",
