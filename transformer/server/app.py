@@ -305,12 +305,12 @@ async def _ws_request(ws: WebSocket, rt: Runtime, control: dict[str, Any], pipel
     hop = parse_node_url(pipeline or None, path, etl_args, rt.settings.ais_target_url)
     job = ShardJob(rt, source, options, shard=path, object_name=path, hop=hop, comm="ws")
     job.start()
-    output = bytearray()  # one ws message per object: ASGI cannot send fragmented messages
+    output: list[bytes] = []  # one ws message per object: ASGI cannot send fragmented messages
     try:
         while True:
             item = await job.next_item()
             if item is None:
-                return bytes(output)
+                return b"".join(output)  # one copy (a growing bytearray then bytes() costs two)
             if isinstance(item, BaseException):
                 raise item if isinstance(item, TransformerError) else TransformerError(repr(item))
             if isinstance(item, Final):
@@ -318,7 +318,7 @@ async def _ws_request(ws: WebSocket, rt: Runtime, control: dict[str, Any], pipel
                     return item
                 raise TransformerError(f"ws request {path!r}: next hop answered {item.status}: "
                                        f"{item.body[:300].decode('utf-8', 'replace')}")
-            output += item
+            output.append(item)
     except Cancelled:
         raise
     finally:
