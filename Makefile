@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= server,client,demo,bench,test
+EXTRAS ?= server,client,demo,bench,dali,test
 
 .PHONY: install demo test lint clean
 
