@@ -1,11 +1,11 @@
-"""atheris (libFuzzer) run over ``etl_args``, the spec and its use on a sample: ``python bench/fuzz_etl_args.py``.
+"""atheris (libFuzzer) run over ``etl_args``, the spec and its use on a sample: ``python -m bench.fuzz_etl_args``.
 
 Any ``etl_args`` string must parse into options or raise ``OptionsError`` (a 400); options that parse
 must transform a small real image or raise ``SampleError`` (a per-sample outcome). Anything else is a
 crash; ``-timeout`` catches hangs, ``-rss_limit_mb`` unbounded memory (a huge Resize/Pad from the
 arguments must be refused, not allocated). Example::
 
-    python bench/fuzz_etl_args.py -max_total_time=600 -timeout=20 -rss_limit_mb=3072
+    python -m bench.fuzz_etl_args -max_total_time=600 -timeout=20 -rss_limit_mb=3072
 
 libFuzzer prints ``Done <N> runs in <T> second(s)`` at the end: N is the number of executions.
 """
@@ -15,10 +15,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import sys
 import tarfile
-import tempfile
-from pathlib import Path
 
 import atheris
 
@@ -74,14 +71,9 @@ def test_one_input(data: bytes) -> None:
 
 
 def main() -> None:
-    argv = list(sys.argv)
-    if not any(Path(a).is_dir() for a in argv[1:] if not a.startswith("-")):
-        corpus = Path(tempfile.mkdtemp(prefix="fuzz-args-"))
-        for i, seed in enumerate(seeds()):
-            (corpus / f"seed-{i}").write_bytes(seed)
-        argv.append(str(corpus))
-    atheris.Setup(argv, test_one_input)
-    atheris.Fuzz()
+    from bench.fuzzing import run
+
+    run(test_one_input, seeds(), "args")
 
 
 if __name__ == "__main__":

@@ -1,19 +1,15 @@
-"""atheris (libFuzzer) run over the ``Ais-Node-Url`` parser: ``python bench/fuzz_node_url.py``.
+"""atheris (libFuzzer) run over the ``Ais-Node-Url`` parser: ``python -m bench.fuzz_node_url``.
 
 Any header value must give no hop, a destination target or a next stage, or raise ``RequestError``
 (400/500); a destination URL keeps the scheme of ``AIS_TARGET_URL``. Anything else is a crash.
 Example::
 
-    python bench/fuzz_node_url.py -max_total_time=300 -timeout=10 -rss_limit_mb=2048
+    python -m bench.fuzz_node_url -max_total_time=300 -timeout=10 -rss_limit_mb=2048
 
 libFuzzer prints ``Done <N> runs in <T> second(s)`` at the end: N is the number of executions.
 """
 
 from __future__ import annotations
-
-import sys
-import tempfile
-from pathlib import Path
 
 import atheris
 
@@ -51,14 +47,9 @@ def test_one_input(data: bytes) -> None:
 
 
 def main() -> None:
-    argv = list(sys.argv)
-    if not any(Path(a).is_dir() for a in argv[1:] if not a.startswith("-")):
-        corpus = Path(tempfile.mkdtemp(prefix="fuzz-nodeurl-"))
-        for i, seed in enumerate(seeds()):
-            (corpus / f"seed-{i}").write_bytes(seed)
-        argv.append(str(corpus))
-    atheris.Setup(argv, test_one_input)
-    atheris.Fuzz()
+    from bench.fuzzing import run
+
+    run(test_one_input, seeds(), "nodeurl")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
-"""atheris (libFuzzer) run over the tar reader and the sample grouping: ``python bench/fuzz_tar.py``.
+"""atheris (libFuzzer) run over the tar reader and the sample grouping: ``python -m bench.fuzz_tar``.
 
 Any input must either give samples whose keyed members follow webdataset's key rule, or raise
 ``ShardError``; anything else is a crash, ``-timeout`` catches hangs and ``-rss_limit_mb``
 unbounded memory. The CI runs the hypothesis version of this (tests/reliability/test_fuzz.py);
 this is the long run. Example (what the README (Reliability and security) reports)::
 
-    python bench/fuzz_tar.py -max_total_time=600 -timeout=10 -rss_limit_mb=2048
+    python -m bench.fuzz_tar -max_total_time=600 -timeout=10 -rss_limit_mb=2048
 
 libFuzzer prints ``Done <N> runs in <T> second(s)`` at the end: N is the number of executions.
 Without a corpus folder on the command line, a temporary one is seeded with a few valid shards.
@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import gzip
 import io
-import sys
 import tarfile
-import tempfile
-from pathlib import Path
 
 import atheris
 
@@ -63,14 +60,9 @@ def test_one_input(data: bytes) -> None:
 
 
 def main() -> None:
-    argv = list(sys.argv)
-    if not any(Path(a).is_dir() for a in argv[1:] if not a.startswith("-")):
-        corpus = Path(tempfile.mkdtemp(prefix="fuzz-tar-"))
-        for i, seed in enumerate(seeds()):
-            (corpus / f"seed-{i}").write_bytes(seed)
-        argv.append(str(corpus))
-    atheris.Setup(argv, test_one_input)
-    atheris.Fuzz()
+    from bench.fuzzing import run
+
+    run(test_one_input, seeds(), "tar")
 
 
 if __name__ == "__main__":
