@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import bz2
 import gzip
 import io
+import lzma
 import os
+import random
 import tarfile
 
 import pytest
@@ -279,3 +282,95 @@ def test_json_member() -> None:
         "__etl__/errors.json", 14, 1_700_000_000, 0o644
     )
     assert member.data == b'{"errors": []}'
+
+
+# --- pass-through headers, other compressions, odd member types ------------------------------------
+
+
+def raw_members(data: bytes) -> list[bytes]:
+    """Each member's bytes in a tar (header blocks, payload, padding), split with tarfile's offsets."""
+    with tarfile.open(fileobj=io.BytesIO(data)) as archive:
+        spans = [(m.offset, m.offset_data + m.size + (-m.size % BLOCK)) for m in archive.getmembers()]
+    return [data[start:end] for start, end in spans]
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_passed_through_members_keep_their_header_bytes(fmt: int) -> None:
+    deep = "/".join(f"d{i:03d}" for i in range(30))  # a GNU long name or a pax path; too long for ustar
+    infos = [file_info("k.cls", b"1"), file_info("k.json", b'{"a": 1}')]
+    if fmt != tarfile.USTAR_FORMAT:
+        infos.append(file_info(f"{deep}/k2.cls", b"2"))
+    for info, _ in infos:
+        info.uid, info.gid, info.uname, info.gname = 1234, 5678, "someone", "some-group"
+    data = tar_of(infos, fmt)
+    assert write(read(data)) == b"".join(raw_members(data)) + END_OF_ARCHIVE
+
+
+def test_global_pax_headers_are_applied_and_not_lost() -> None:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT,
+                      pax_headers={"comment": "global", "uname": "everyone"}) as archive:
+        info, data = file_info("k.cls", b"1")
+        archive.addfile(info, io.BytesIO(data))
+    samples = read(buffer.getvalue())
+    assert samples[0].members[0].info.uname == "everyone"
+    with tarfile.open(fileobj=io.BytesIO(write(samples))) as archive:
+        (member,) = archive.getmembers()
+        assert (member.name, member.uname, archive.extractfile(member).read()) == ("k.cls", "everyone", b"1")
+
+
+def test_a_member_of_unknown_type_keeps_its_payload() -> None:
+    odd = tarfile.TarInfo("k.odd")
+    odd.type, odd.size = b"Z", 700  # not a type tarfile knows: it is read like a regular file
+    data = file_info("k.cls", b"1")[0].tobuf(format=tarfile.USTAR_FORMAT) + b"1" + b"\0" * 511
+    data += odd.tobuf(format=tarfile.USTAR_FORMAT) + b"o" * 700 + b"\0" * (-700 % BLOCK)
+    data += file_info("z.cls", b"2")[0].tobuf(format=tarfile.USTAR_FORMAT) + b"2" + b"\0" * 511 + END_OF_ARCHIVE
+    samples = read(data)
+    assert [(m.info.name, m.data) for s in samples for m in s.members] == [
+        ("k.cls", b"1"), ("k.odd", b"o" * 700), ("z.cls", b"2")
+    ]
+    assert write(samples) == data
+
+
+def test_a_sparse_member_is_refused_by_name() -> None:
+    sparse = tarfile.TarInfo("k.img")
+    sparse.type, sparse.size = tarfile.GNUTYPE_SPARSE, 0
+    data = sparse.tobuf(format=tarfile.GNU_FORMAT) + END_OF_ARCHIVE
+    with pytest.raises(ShardError, match="'k.img' is a sparse file"):
+        read(data)
+
+
+@pytest.mark.parametrize("compress", [bz2.compress, lzma.compress], ids=["bzip2", "xz"])
+def test_bzip2_and_xz_input(compress) -> None:
+    members = [("a.jpg", b"1" * 3000), ("a.cls", b"2"), ("b.jpg", b"3" * 10)]
+    packed = compress(make_tar(members))
+    assert [(m.info.name, m.data) for s in read(packed) for m in s.members] == members
+    with pytest.raises(ShardError, match="shard-007"):
+        read(packed[:-20])  # cut before the stream's end: the end-of-archive marker alone is not enough
+
+
+def test_an_extended_header_larger_than_the_member_limit_is_refused() -> None:
+    pax = tarfile.TarInfo("././@PaxHeader")
+    pax.type, pax.size = tarfile.XHDTYPE, 10_000
+    data = pax.tobuf(format=tarfile.USTAR_FORMAT) + b"x" * 10_240 + END_OF_ARCHIVE
+    with pytest.raises(ShardError, match="extended header of 10240 bytes"):
+        read(data, limit=4096)
+
+
+def test_reader_agrees_with_tarfile_on_many_archives() -> None:
+    rng = random.Random(3)
+    for case in range(40):
+        fmt = rng.choice([tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+        infos = []
+        for _ in range(rng.randint(1, 12)):
+            stem = rng.choice(["", "dir/", "a/b.c/"]) + f"s{rng.randint(0, 5)}"
+            name = stem + rng.choice([".jpg", ".cls", ".x.y", ""])
+            if fmt != tarfile.USTAR_FORMAT and rng.random() < 0.2:
+                name = "long/" * 30 + name
+            infos.append(file_info(name, rng.randbytes(rng.choice([0, 1, 511, 512, 513, 3000]))))
+        data = tar_of(infos, fmt)
+        with tarfile.open(fileobj=io.BytesIO(data)) as archive:
+            expected = [(m.name, archive.extractfile(m).read()) for m in archive.getmembers()]
+        got = [(m.info.name, m.data) for s in read(data) for m in s.members]
+        assert got == expected, case
+        assert write(read(data)) == b"".join(raw_members(data)) + END_OF_ARCHIVE

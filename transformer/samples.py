@@ -37,6 +37,7 @@ class Member:
 
     info: tarfile.TarInfo
     pieces: list[bytes | memoryview] = field(default_factory=list)
+    header: bytes | None = None  # the raw header blocks read from the input, written back unchanged
 
     @property
     def data(self) -> bytes:
