@@ -49,6 +49,7 @@ def test_every_variable_is_read() -> None:
         "ETL_MAX_IMAGE_PIXELS": "4096",
         "ETL_FQN_ROOTS": "/ais/mp1, /ais/mp2/../mp3,",
         "ETL_ERROR_MANIFEST": "No",
+        "ETL_DIRECT_SEND": "false",
         "ETL_KEEPALIVE": "7",
         "ETL_HOST": "127.0.0.1",
         "ETL_PORT": "8123",
@@ -65,7 +66,7 @@ def test_every_variable_is_read() -> None:
     assert s.obj_timeout == 90.0
     assert (s.max_member_bytes, s.max_shard_bytes, s.max_image_pixels) == (1024, 2**20, 4096)
     assert s.fqn_roots == (os.path.realpath("/ais/mp1"), os.path.realpath("/ais/mp3"))
-    assert s.error_manifest is False
+    assert s.error_manifest is False and s.direct_send is False
     assert (s.keepalive, s.host, s.port, s.log_level) == (7, "127.0.0.1", 8123, "debug")
     assert s.ais_target_url == "http://target:8080/v1/etl/_object/x/SECRET"
 
@@ -116,6 +117,7 @@ def test_window_and_inflight_default_from_workers() -> None:
         ("ETL_MAX_SHARD_BYTES", "16GiB"),
         ("ETL_MAX_IMAGE_PIXELS", "-5"),
         ("ETL_ERROR_MANIFEST", "maybe"),
+        ("ETL_DIRECT_SEND", "sometimes"),
         ("ETL_KEEPALIVE", "6"),
         ("ETL_KEEPALIVE", "5"),
         ("ETL_KEEPALIVE", "seventy"),
@@ -140,8 +142,9 @@ def test_keepalive_must_exceed_the_targets_idle_timeout() -> None:
 
 @pytest.mark.parametrize("text, expected", [("true", True), ("1", True), ("YES", True), ("False", False),
                                              ("0", False), ("no", False)])
-def test_error_manifest_booleans(text: str, expected: bool) -> None:
+def test_boolean_settings(text: str, expected: bool) -> None:
     assert Settings.from_env({"ETL_ERROR_MANIFEST": text}).error_manifest is expected
+    assert Settings.from_env({"ETL_DIRECT_SEND": text}).direct_send is expected
 
 
 def test_environment_transforms_are_validated_and_kept_parsed() -> None:

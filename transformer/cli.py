@@ -59,6 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .config import Settings
+    from .server.direct import DirectSendProtocol
 
     settings = Settings.from_env()  # fail fast, before binding the port, on a bad setting
     uvicorn.run(
@@ -68,6 +69,9 @@ def _serve(args: argparse.Namespace) -> int:
         # Above the AIS target's 6 s idle timeout, so the target never reuses a connection we closed
         # (AIS does not retry a PUT that failed with EOF; contract doc section 2.1).
         timeout_keep_alive=settings.keepalive,
+        # uvicorn's httptools protocol, which also hands the connection's transport to shard responses
+        # so their threads can write the output themselves (server/direct.py).
+        http=DirectSendProtocol,
         # AIS sends up to 16 GiB per message and a shard is one message, held in memory whole: the
         # shard limit caps it (the 1 MiB floor keeps room for control messages).
         ws_max_size=min(16 * 2**30, max(settings.max_shard_bytes, 2**20)),

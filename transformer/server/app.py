@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import threading
 import time
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -25,6 +26,7 @@ from ..config import Settings
 from ..engine import TransformPool
 from ..errors import Cancelled, OptionsError, RequestError, TransformerError
 from ..options import parse_etl_args
+from . import direct
 from .hops import HEADER_NODE_URL, final_destination_is_remote, parse_node_url
 from .jobs import (
     BodySource,
@@ -182,6 +184,9 @@ class ShardResponse(Response):
         else:
             job.source = self.source
             watcher = asyncio.create_task(watch_disconnect(receive, job.cancel.set))
+        transport = direct.transport_of(scope) if self.rt.settings.direct_send else None
+        if transport is not None:
+            job.handoff = threading.Event()
         job.start()
         finished = False
         try:
@@ -196,11 +201,17 @@ class ShardResponse(Response):
                 return
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", TAR_CONTENT_TYPE.encode())]})
+            first = True
             while item is not None:
                 if isinstance(item, BaseException):
                     raise StreamAborted(f"aborting the response of shard '{self.shard}' after "
                                         f"{job.report.bytes_out} bytes: {item}") from item
                 await send({"type": "http.response.body", "body": bytes(item), "more_body": True})
+                if first and transport is not None:
+                    # uvicorn wrote the status line and the first chunk: the driver may take the socket.
+                    ready = await direct.drained(transport, direct.STALL_SECONDS)
+                    job.go_direct((lambda: direct.DirectSender(loop, transport)) if ready else None)
+                first = False
                 item = await job.next_item()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             finished = True

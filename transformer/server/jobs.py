@@ -15,6 +15,7 @@ import os
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -25,6 +26,7 @@ from ..config import Settings
 from ..engine import ShardReport, TransformPool, transform_shard
 from ..errors import Cancelled, RequestError, TransformerError, UpstreamError
 from ..options import TransformOptions
+from .direct import DirectSender
 from .duplex import duplex_put
 from .hops import (
     HEADER_DIRECT_PUT_LENGTH,
@@ -167,42 +169,59 @@ class BodySource(Source):
 
     replayable = False
 
+    _MAX_CHUNKS = 16  # body chunks buffered between the event loop and the driver (then TCP backpressure)
+
     def __init__(self, loop: asyncio.AbstractEventLoop, cancel: threading.Event):
         self.loop, self.cancel = loop, cancel
-        self.queue: asyncio.Queue = asyncio.Queue(maxsize=16)
         self.complete = threading.Event()  # the whole body has been received
+        # A deque under a condition rather than an asyncio.Queue: the driver takes each chunk with a
+        # lock, not with a coroutine scheduled on the event loop and waited for (run_coroutine_threadsafe
+        # cost a loop wake-up and a future per 64 KB chunk).
+        self._chunks_in: deque[bytes | Exception] = deque()
+        self._ready = threading.Condition()
+        self._room = asyncio.Event()
+        self._room.set()
 
     async def pump(self, receive: Callable, on_disconnect: Callable[[], None]) -> None:
-        """Move body chunks into the queue (awaiting room: TCP backpressure), then watch for disconnect."""
+        """Move body chunks to the driver (awaiting room: TCP backpressure), then watch for disconnect."""
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                await self.queue.put(Cancelled("caller disconnected while sending the body"))
+                self._put(Cancelled("caller disconnected while sending the body"), force=True)
                 on_disconnect()
                 return
             body = message.get("body", b"")
             if body:
-                await self.queue.put(body)
+                while not self._put(body):
+                    await self._room.wait()
             if not message.get("more_body", False):
                 self.complete.set()
-                await self.queue.put(b"")
+                self._put(b"", force=True)
                 break
         await watch_disconnect(receive, on_disconnect)
+
+    def _put(self, item: bytes | Exception, force: bool = False) -> bool:
+        """Event loop: queue ``item``; False (and ``_room`` cleared) when full, unless ``force``."""
+        with self._ready:
+            if len(self._chunks_in) >= self._MAX_CHUNKS and not force:
+                self._room.clear()  # under the lock: the driver's wake-up below cannot be lost
+                return False
+            self._chunks_in.append(item)
+            self._ready.notify()
+            return True
 
     def open(self):
         return _IteratorReader(self._chunks())
 
     def _chunks(self) -> Iterator[bytes]:
         while True:
-            future = asyncio.run_coroutine_threadsafe(self.queue.get(), self.loop)
-            while True:
-                try:
-                    item = future.result(timeout=0.2)
-                    break
-                except TimeoutError:
-                    if self.cancel.is_set():
-                        future.cancel()
-                        raise Cancelled("cancelled while reading the request body") from None
+            with self._ready:
+                while not self._chunks_in:
+                    if not self._ready.wait(0.2) and self.cancel.is_set():
+                        raise Cancelled("cancelled while reading the request body")
+                item = self._chunks_in.popleft()
+                if not self._room.is_set() and len(self._chunks_in) < self._MAX_CHUNKS // 2:
+                    self.loop.call_soon_threadsafe(self._room.set)
             if isinstance(item, Exception):
                 raise item
             if item == b"":
@@ -352,6 +371,14 @@ class ShardJob:
         self._room = threading.Semaphore(_OUTPUT_QUEUE_CHUNKS)
         self._spill: _Spill | None = None
         self.bytes_in = 0
+        # Direct send (direct.py): set by the response before start(); the driver waits on it after its
+        # first chunk, then writes the rest itself if ``direct`` was given.
+        self.handoff: threading.Event | None = None
+        self.direct: DirectSender | None = None
+        self._direct_lock = threading.Lock()
+        self._handed_off = False
+        self._finished = False
+        self.send_path = "loop"
 
     def start(self) -> None:
         threading.Thread(target=self._run, name=f"shard {self.shard}", daemon=True).start()
@@ -367,7 +394,47 @@ class ShardJob:
             return data
         return item
 
+    def go_direct(self, make: Callable[[], DirectSender] | None) -> None:
+        """Event loop, after the first chunk went out: the driver sends the rest (``make`` None: it does not)."""
+        with self._direct_lock:
+            if make is not None and not self._finished:
+                try:
+                    self.direct = make()
+                    self.send_path = "direct"
+                except OSError as exc:  # the connection closed in the meantime: the ASGI path reports it
+                    log.info("shard %s: direct send unavailable (%s)", self.shard, exc)
+        if self.handoff is not None:
+            self.handoff.set()
+
     # -- driver thread ---------------------------------------------------------------------------
+
+    def _send(self, chunk: bytes | memoryview) -> None:
+        """One output chunk to the caller: written here (direct send) or handed to the event loop."""
+        direct = self.direct
+        if direct is not None:
+            if direct.send(chunk, self._check_cancel, lambda: not self._body_complete()):
+                return
+            # The caller stopped reading while it still sends (half-duplex): the frame's rest went to
+            # the transport; from here on the event loop sends, spilling to disk while it must.
+            log.info("shard %s: caller is not reading yet; leaving direct send", self.shard)
+            self.send_path = "direct_then_loop"
+            self._close_direct()
+            return
+        self._emit_chunk(chunk)
+        if self.handoff is not None and not self._handed_off:  # first chunk: wait for go_direct()
+            self._handed_off = True
+            while not self.handoff.wait(0.1):
+                self._check_cancel()
+
+    def _check_cancel(self) -> None:
+        if self.cancel.is_set():
+            raise Cancelled(f"shard '{self.shard}': caller went away")
+
+    def _close_direct(self) -> None:
+        with self._direct_lock:
+            direct, self.direct = self.direct, None
+        if direct is not None:
+            direct.close()
 
     def _emit(self, item) -> None:
         self._loop.call_soon_threadsafe(self._items.put_nowait, item)
@@ -420,7 +487,7 @@ class ShardJob:
         try:
             if self.hop is None:
                 for chunk in self._output():
-                    self._emit_chunk(chunk)
+                    self._send(chunk)
                 self._emit(None)
             elif isinstance(self.hop, DirectPutTarget):
                 self._emit(self._direct_put(self.hop))
@@ -438,6 +505,11 @@ class ShardJob:
             log.exception("shard %s: unexpected error", self.shard)
             self._emit(TransformerError(f"shard '{self.shard}': internal error: {exc!r}"))
         finally:
+            with self._direct_lock:
+                self._finished = True
+            self._close_direct()
+            if self.report.first_byte is not None and not isinstance(self.hop, DirectPutTarget):
+                metrics.send_path.labels(self.send_path).inc()
             metrics.inflight.dec()
             metrics.record(self.report, self.comm, outcome, self.bytes_in)
 
@@ -464,7 +536,7 @@ class ShardJob:
         with contextlib.closing(response):
             if response.status_code == 200:
                 for chunk in response.iter_bytes():
-                    self._emit_chunk(chunk)
+                    self._send(chunk)
                 self._emit(None)
             elif response.status_code == 204:
                 length = response.headers.get(HEADER_DIRECT_PUT_LENGTH)

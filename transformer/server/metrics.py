@@ -22,6 +22,9 @@ class Metrics:
         self.shard_seconds = Histogram("etl_shard_seconds", "Time per shard request", buckets=_SECONDS, registry=r)
         self.first_byte = Histogram("etl_first_byte_seconds", "Time to the first output byte", buckets=_SECONDS,
                                     registry=r)
+        self.send_path = Counter("etl_send_path", "Streamed responses by who wrote the body: 'direct' (the "
+                                 "shard's thread, ETL_DIRECT_SEND), 'loop' (the event loop), 'direct_then_loop' "
+                                 "(a caller that read only after sending)", ["path"], registry=r)
         self.inflight = Gauge("etl_inflight_shards", "Shard requests being transformed", registry=r)
 
     def record(self, report: ShardReport, comm: str, outcome: str, bytes_in: int) -> None:

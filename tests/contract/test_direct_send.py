@@ -1,0 +1,83 @@
+"""Direct send (server/direct.py): the shard's thread writes the body frames; the bytes are the same.
+
+The default service writes each response's body from the shard's driver thread once the first chunk went
+out through uvicorn; ``ETL_DIRECT_SEND=false`` sends every chunk through the event loop. Both must give
+the caller identical bytes, and a caller that reads only after sending must still get the whole shard.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.shardgen import imagenet_like_members, make_tar, read_tar
+
+from .conftest import AisDisk, transformer_env
+from .fake_ais import FakeTarget
+from .harness import Service, args_query, fqn_query, start_transformer
+from .test_half_duplex_clients import _shard as half_duplex_shard
+
+
+@pytest.fixture(scope="module")
+def loop_service(target: FakeTarget, disk: AisDisk, logs: Path) -> Iterator[Service]:
+    server = start_transformer("transformer-loop-send", logs,
+                               transformer_env(target, disk, ETL_DIRECT_SEND="false"))
+    yield server
+    server.stop()
+
+
+def send_paths(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {sample.labels["path"]: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == "etl_send_path_total"}
+
+
+def wait_for_path(url: str, before: dict[str, float], path: str) -> dict[str, float]:
+    """The counter is recorded when the job ends, which may be just after the caller read the last byte."""
+    deadline = time.monotonic() + 5
+    while True:
+        after = send_paths(url)
+        if after.get(path, 0) > before.get(path, 0) or time.monotonic() > deadline:
+            return after
+        time.sleep(0.05)
+
+
+def test_direct_and_event_loop_sending_give_identical_bytes(service: Service, loop_service: Service,
+                                                            disk: AisDisk) -> None:
+    inputs = imagenet_like_members(24)  # ~14 MB of float32 arrays: far more than the first chunk
+    shard = make_tar(inputs)
+    fqn = disk.put("train", "direct-send.tar", shard)
+    query = args_query(json.dumps({"preset": "imagenet-train", "seed": 11}))
+    outputs = {}
+    with httpx.Client(timeout=60) as http:
+        for name, server in (("direct", service), ("loop", loop_service)):
+            before = send_paths(server.url)
+            by_body = http.put(f"{server.url}/train/direct-send.tar?{query}", content=shard)
+            by_fqn = http.put(f"{server.url}/train/direct-send.tar?{fqn_query(fqn)}&{query}", content=b"")
+            assert by_body.status_code == by_fqn.status_code == 200, by_body.text[:300]
+            assert by_body.content == by_fqn.content
+            outputs[name] = by_body.content
+            after = wait_for_path(server.url, before, name)
+            assert after.get(name, 0) - before.get(name, 0) == 2, (name, before, after)
+    assert outputs["direct"] == outputs["loop"]
+    members = read_tar(outputs["direct"])
+    assert sum(name.endswith(".npy") for name, _ in members) == 24
+    assert [name for name, _ in members if not name.endswith(".npy")] == \
+        [name for name, _ in inputs if not name.endswith(".jpg")]
+
+
+def test_a_caller_that_reads_only_after_sending_moves_the_response_back_to_the_event_loop(service: Service) -> None:
+    shard = half_duplex_shard(60)  # ~16 MB in, ~52 MB out: the socket stalls while the body still arrives
+    before = send_paths(service.url)
+    with httpx.Client(timeout=httpx.Timeout(60.0, connect=5.0)) as http:
+        whole = http.put(f"{service.url}/bck/stalled.tar?" + args_query('{"seed": 5}'), content=shard)
+    assert whole.status_code == 200, whole.text[:300]
+    assert len(read_tar(whole.content)) == 180
+    after = wait_for_path(service.url, before, "direct_then_loop")
+    assert after.get("direct_then_loop", 0) - before.get("direct_then_loop", 0) == 1, (before, after)

@@ -1,0 +1,106 @@
+"""Direct send: the driver thread writes a shard's body frames to the socket itself.
+
+Why: through ASGI, every output chunk crosses to the event loop, which frames it (uvicorn joins the
+chunk-size line, the 602 KB array and the CRLF into a new bytes object) and writes it with uvloop, which
+holds the GIL for the copy and the kernel send. On two cores that is the service's largest overhead
+after decoding: the loop held the GIL for about 0.18 ms per float32 image, and the transform threads
+waited on it (``python -m bench.run`` shows the service with and without; ``ETL_DIRECT_SEND``).
+
+How: uvicorn's httptools protocol, subclassed only to put the connection's transport into the ASGI
+scope under ``EXTENSION``. The response starts the ASGI way (status line, headers and the first chunk
+go through uvicorn, so an early failure is still a proper 4xx/5xx). Once uvicorn's write buffer is
+empty, the driver thread takes over: it writes each chunk in HTTP/1.1 chunked framing with
+``sendmsg`` on a duplicate of the socket (the GIL is released during the call, nothing is copied in
+Python), and hands the last frame back to uvicorn through ASGI, so uvicorn's own state (keep-alive,
+completion, the abort on failure) stays exactly as without direct send. Without the extension (another
+server, the h11 protocol, ``ETL_DIRECT_SEND=false``) every chunk takes the ASGI path.
+
+The one case the socket cannot serve alone is a half-duplex caller: one that reads the response only
+after it has sent the whole body. If a frame cannot be written for ``STALL_SECONDS`` while the request
+body is still arriving, the unsent rest of the frame goes to uvicorn's transport and the job returns
+to the ASGI path, which spills output to disk until the caller reads (jobs.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import Callable
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from ..errors import Cancelled
+
+EXTENSION = "transformer.direct_send"
+STALL_SECONDS = 0.2  # a frame not accepted by the socket for this long, with the body still arriving
+_POLL = 0.05  # socket timeout: how often a blocked send checks for cancellation and stalls
+
+
+class DirectSendProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol; each request's scope also carries the connection's transport."""
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.scope["extensions"] = {EXTENSION: {"transport": self.transport}}
+
+
+def transport_of(scope: dict) -> asyncio.Transport | None:
+    extension = (scope.get("extensions") or {}).get(EXTENSION)
+    return extension.get("transport") if extension else None
+
+
+async def drained(transport: asyncio.Transport, timeout: float) -> bool:
+    """Wait until uvicorn's transport has written everything it holds; False after ``timeout``."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while transport.get_write_buffer_size():
+        if transport.is_closing() or loop.time() > end:
+            return False
+        await asyncio.sleep(0.001)
+    return not transport.is_closing()
+
+
+class DirectSender:
+    """Writes chunked-encoding frames from a driver thread; see the module docstring."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, transport: asyncio.Transport):
+        self._loop, self._transport = loop, transport
+        raw = transport.get_extra_info("socket")
+        # A duplicate descriptor: uvloop may close its own when the peer goes away while we write.
+        self._sock = socket.socket(fileno=os.dup(raw.fileno()))
+        self._sock.settimeout(_POLL)  # keeps the descriptor non-blocking, as the event loop needs it
+
+    def send(self, chunk: bytes | memoryview, cancel: Callable[[], None], stalled: Callable[[], bool]) -> bool:
+        """Write one frame. False: the socket stalled and the rest went to the transport (use ASGI now).
+
+        ``cancel`` raises if the job must stop; ``stalled`` says whether waiting longer could deadlock.
+        """
+        parts: list[bytes | memoryview] = [b"%x\r\n" % len(chunk), chunk, b"\r\n"]
+        waited = 0.0
+        while parts:
+            try:
+                sent = self._sock.sendmsg(parts)
+            except TimeoutError:
+                cancel()
+                waited += _POLL
+                if waited >= STALL_SECONDS and stalled():
+                    rest = b"".join(parts)
+                    self._loop.call_soon_threadsafe(self._transport.write, rest)
+                    return False
+                continue
+            except OSError as exc:  # EPIPE, ECONNRESET: the caller went away
+                raise Cancelled(f"caller went away while receiving ({exc.strerror or exc})") from None
+            waited = 0.0
+            while sent:
+                first = len(parts[0])
+                if sent >= first:
+                    sent -= first
+                    parts.pop(0)
+                else:
+                    parts[0] = memoryview(parts[0])[sent:]
+                    sent = 0
+        return True
+
+    def close(self) -> None:
+        self._sock.close()
