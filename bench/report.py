@@ -320,6 +320,20 @@ def _cpu_budget(results: dict, table: list[dict]) -> list[str]:
                          f"{server - base:+.2f} | {_pct(compute / server)} |")
             lines.append(f"| service {mode}: + the client on the same cores (curl receiving) | "
                          f"{server + client:.2f} | {client:+.2f} | {_pct(compute / (server + client))} |")
+    floors = results.get("http_floor") or []
+    send = median([f["server_cpu_ms_per_image"] for f in floors])
+    receive = median([f["client_cpu_ms_per_image"] for f in floors])
+    if send is not None and receive is not None:
+        base = engine if engine is not None else compute
+        ceiling = base + send + receive
+        lines += ["", "The floor under the HTTP part: 602 KB chunked frames written from one buffer with `sendmsg` "
+                  "to curl over loopback (`bench.services.http_floor`: no tar, no compute, no event loop), "
+                  "measured in the same rounds. Adding it to the engine gives the best fraction of the limit "
+                  "an HTTP service can reach here with every core busy.", "",
+                  "| floor | CPU ms/image | bound: fraction of the limit |", "|---|---|---|",
+                  f"| kernel send (server side) | {send:.2f} | |",
+                  f"| kernel receive (curl) | {receive:.2f} | |",
+                  f"| engine + send + receive | {ceiling:.2f} | {_pct(compute / ceiling)} |"]
     return lines
 
 

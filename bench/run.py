@@ -115,7 +115,7 @@ def run(args: argparse.Namespace, budget: Budget, logs: Path) -> dict:
 
     settings = Settings.from_env({})  # defaults: the shell's ETL_* must not skew the compute limit
     results: dict = {"measurements": [], "skipped": [], "compute": [], "engine": [], "single_thread": [],
-                     "decoders": [], "memory": [], "client": [], "uint8": []}
+                     "decoders": [], "memory": [], "client": [], "uint8": [], "http_floor": []}
 
     log.info("shards: %d demo shards x %d samples; %d MB and %d MiB shards from their samples", args.shards,
              args.samples, args.small_mb, args.big_mib)
@@ -196,6 +196,10 @@ def measure_round(args, budget: Budget, results: dict, round_index: int, samples
         results["single_thread"].append({"round": round_index, "preset": preset,
                                          "ms_per_image": single["cpu_ms_per_image"]})
         etl_args = json.dumps({"preset": preset})
+        if preset == "imagenet-train" and services.curl_available():
+            # What moving a float32 image over loopback HTTP costs at least (3 x 224 x 224 x 4 + npy header).
+            floor = services.http_floor(3 * 224 * 224 * 4 + 128, 50 if args.smoke else 1000)
+            results["http_floor"].append({"round": round_index, **floor})
         if preset == "imagenet-train" and budget.remaining() > 60:
             # The same with uint8 output (a quarter of the bytes): separates the cost of moving float32
             # arrays through tar, HTTP and the client from the rest of the service's overhead.

@@ -287,3 +287,51 @@ def run_requests(call, shards: list[Path], concurrency: int) -> tuple[list[Resul
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         results = list(pool.map(call, shards))
     return results, time.monotonic() - start
+
+
+def http_floor(frame_bytes: int, frames: int) -> dict:
+    """The least CPU that moving ``frames`` output images to the caller costs on this machine.
+
+    A thread writes HTTP/1.1 chunked frames of ``frame_bytes`` from one preallocated buffer with
+    ``sendmsg``, as the service's direct send does, to curl over loopback: no tar, no compute, no event
+    loop. Its CPU (kernel send) and curl's (kernel receive) are a floor under the service's overhead.
+    """
+    import resource
+
+    payload = os.urandom(frame_bytes)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    server_cpu = []
+
+    def serve() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            connection.recv(65536)
+            start = time.thread_time()
+            connection.sendall(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            for _ in range(frames):
+                parts = [memoryview(b"%x\r\n" % frame_bytes), memoryview(payload), memoryview(b"\r\n")]
+                while parts:
+                    sent = connection.sendmsg(parts)
+                    while sent:
+                        if sent >= len(parts[0]):
+                            sent -= len(parts[0])
+                            parts.pop(0)
+                        else:
+                            parts[0], sent = parts[0][sent:], 0
+            connection.sendall(b"0\r\n\r\n")
+            server_cpu.append(time.thread_time() - start)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    wall = time.perf_counter()
+    subprocess.run(["curl", "-sS", "-o", "/dev/null", f"http://127.0.0.1:{port}/"], check=True, timeout=120)
+    thread.join()
+    wall = time.perf_counter() - wall
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    listener.close()
+    client = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return {"frame_bytes": frame_bytes, "frames": frames, "gb_per_s": frame_bytes * frames / wall / 1e9,
+            "server_cpu_ms_per_image": server_cpu[0] / frames * 1e3, "client_cpu_ms_per_image": client / frames * 1e3}
+
