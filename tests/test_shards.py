@@ -374,3 +374,32 @@ def test_reader_agrees_with_tarfile_on_many_archives() -> None:
         got = [(m.info.name, m.data) for s in read(data) for m in s.members]
         assert got == expected, case
         assert write(read(data)) == b"".join(raw_members(data)) + END_OF_ARCHIVE
+
+
+def test_the_plain_header_fast_path_agrees_with_tarfile_field_by_field() -> None:
+    from transformer.shards import _plain_file
+
+    rng = random.Random(5)
+    names = ["k.jpg", "dir/sample-000001.cls", "a" * 100, "p/" * 60 + "deep.json", "caf\u00e9.txt", "x"]
+    checked = fallbacks = 0
+    for case in range(600):
+        info = tarfile.TarInfo(rng.choice(names))
+        info.size, info.mtime = rng.choice([0, 1, 511, 8**11 - 1]), rng.choice([0, 1_700_000_000, 8**11 - 1])
+        info.mode, info.uid, info.gid = rng.choice([0o644, 0o7777]), rng.randint(0, 8**7 - 1), rng.randint(0, 99)
+        info.uname, info.gname = rng.choice(["", "user", "\u00fc"]), rng.choice(["", "group"])
+        block = bytearray(info.tobuf(format=tarfile.USTAR_FORMAT, encoding="utf-8", errors="surrogateescape"))
+        if case % 3 == 0:  # damage one byte: the fast path must agree or step aside, never differ
+            block[rng.randrange(BLOCK)] = rng.randrange(256)
+        block = bytes(block)
+        fast = _plain_file(block, 1024)
+        try:
+            slow = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+        except tarfile.HeaderError:
+            slow = None
+        if fast is None:
+            fallbacks += 1
+            continue
+        assert slow is not None, block
+        assert (fast.get_info(), fast.offset, fast.offset_data) == (slow.get_info(), 1024, 1024 + BLOCK)
+        checked += 1
+    assert checked > 300 and fallbacks > 50
