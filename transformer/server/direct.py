@@ -46,8 +46,11 @@ class DirectSendProtocol(HttpToolsProtocol):
 
 
 def transport_of(scope: dict) -> asyncio.Transport | None:
+    """The connection's transport when this response may use direct send (a body to send, chunked)."""
     extension = (scope.get("extensions") or {}).get(EXTENSION)
-    return extension.get("transport") if extension else None
+    if not extension or scope.get("method") == "HEAD":
+        return None
+    return extension.get("transport")
 
 
 async def drained(transport: asyncio.Transport, timeout: float) -> bool:
@@ -67,6 +70,8 @@ class DirectSender:
     def __init__(self, loop: asyncio.AbstractEventLoop, transport: asyncio.Transport):
         self._loop, self._transport = loop, transport
         raw = transport.get_extra_info("socket")
+        if raw is None or raw.fileno() < 0:
+            raise OSError("the connection has no open socket")
         # A duplicate descriptor: uvloop may close its own when the peer goes away while we write.
         self._sock = socket.socket(fileno=os.dup(raw.fileno()))
         self._sock.settimeout(_POLL)  # keeps the descriptor non-blocking, as the event loop needs it

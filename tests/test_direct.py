@@ -1,0 +1,105 @@
+"""server/direct.py on a socket pair: exact chunked framing, partial sends, the stall hand-back, a gone peer."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import pytest
+
+from transformer.errors import Cancelled
+from transformer.server import direct
+
+
+class FakeTransport:
+    """What DirectSender uses of uvicorn's transport: the socket, and write() for a stalled frame's rest."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock, self.written = sock, bytearray()
+
+    def get_extra_info(self, name: str):
+        return self.sock if name == "socket" else None
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+
+class ImmediateLoop:
+    def call_soon_threadsafe(self, fn, *args) -> None:
+        fn(*args)
+
+
+def framed(chunks: list[bytes]) -> bytes:
+    return b"".join(b"%x\r\n" % len(c) + c + b"\r\n" for c in chunks)
+
+
+def never() -> None:
+    pass
+
+
+def read_all(sock: socket.socket, into: bytearray) -> None:
+    while data := sock.recv(1 << 20):
+        into += data
+
+
+def test_frames_arrive_exactly_in_chunked_encoding() -> None:
+    ours, peer = socket.socketpair()
+    chunks = [b"a", os.urandom(70_000), memoryview(os.urandom(3 * 224 * 224 * 4)), b"tail" * 1000]
+    received = bytearray()
+    reader = threading.Thread(target=read_all, args=(peer, received))
+    reader.start()
+    sender = direct.DirectSender(ImmediateLoop(), FakeTransport(ours))
+    assert all(sender.send(chunk, never, lambda: False) for chunk in chunks)
+    sender.close()
+    ours.close()  # the duplicate is closed; this is the last descriptor, so the reader sees EOF
+    reader.join(10)
+    assert bytes(received) == framed([bytes(c) for c in chunks])
+
+
+def test_a_stalled_frame_goes_to_the_transport_when_waiting_could_deadlock() -> None:
+    ours, peer = socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    transport = FakeTransport(ours)
+    sender = direct.DirectSender(ImmediateLoop(), transport)
+    chunk = os.urandom(4 << 20)  # far more than the socket pair buffers; nobody reads yet
+    assert sender.send(chunk, never, lambda: True) is False
+    sender.close()
+    ours.shutdown(socket.SHUT_WR)
+    received = bytearray()
+    read_all(peer, received)
+    assert 0 < len(received) < len(framed([chunk]))
+    assert bytes(received) + bytes(transport.written) == framed([chunk])  # nothing lost, nothing twice
+
+
+def test_a_blocked_send_stops_when_the_job_is_cancelled() -> None:
+    ours, _peer = socket.socketpair()
+    sender = direct.DirectSender(ImmediateLoop(), FakeTransport(ours))
+    calls = []
+
+    def cancel() -> None:
+        calls.append(1)
+        if len(calls) > 3:
+            raise Cancelled("caller went away")
+
+    with pytest.raises(Cancelled):
+        sender.send(os.urandom(4 << 20), cancel, lambda: False)  # not stalled: keeps waiting until cancelled
+    sender.close()
+
+
+def test_a_peer_that_went_away_is_a_cancellation() -> None:
+    ours, peer = socket.socketpair()
+    peer.close()
+    sender = direct.DirectSender(ImmediateLoop(), FakeTransport(ours))
+    with pytest.raises(Cancelled, match="went away"):
+        sender.send(os.urandom(1 << 20), never, lambda: False)
+    sender.close()
+
+
+def test_head_requests_and_foreign_servers_use_the_asgi_path() -> None:
+    transport = object()
+    scope = {"method": "GET", "extensions": {direct.EXTENSION: {"transport": transport}}}
+    assert direct.transport_of(scope) is transport
+    assert direct.transport_of({**scope, "method": "HEAD"}) is None
+    assert direct.transport_of({"method": "GET"}) is None
+    assert direct.transport_of({"method": "GET", "extensions": {"http.response.trailers": {}}}) is None
