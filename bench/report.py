@@ -401,7 +401,7 @@ def write_plot(results: dict, path: Path) -> None:
     for y, v in zip(positions, values):
         ax.text(v, y, f" {v:,.0f}", va="center", fontsize=8)
     ax.set_xlabel("peak RSS of the server process tree (MB)")
-    ax.set_title("memory, imagenet-train, 1 shard in flight", fontsize=10)
+    ax.set_title("peak RSS, imagenet-train, 1 shard", fontsize=10)
     ax.set_xlim(0, max(values or [1]) * 1.25)
 
     meta = results["meta"]
