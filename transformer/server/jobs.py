@@ -1,9 +1,10 @@
 """One shard request in flight: its input source, its driver thread, and the hand-off to the event loop.
 
 Each request gets a driver thread that reads the input, runs ``engine.transform_shard`` (which fans
-samples out to the shared ``TransformPool``) and sends the output to the next hop or back to the event
-loop through an asyncio queue. The event loop only moves bytes: it never parses, decodes or waits on
-CPU work, which keeps ``/health`` answering while every core is busy.
+samples out to the shared ``TransformPool``) and sends the output to the next hop, or to the caller:
+after the first chunk it writes the response body to the socket itself (direct send, direct.py), or it
+hands chunks to the event loop through an asyncio queue. The event loop never parses, decodes or waits
+on CPU work, which keeps ``/health`` answering while every core is busy.
 """
 
 from __future__ import annotations
@@ -446,8 +447,7 @@ class ShardJob:
             spill = self._spill = None
         if spill is None:
             while not self._room.acquire(timeout=0.2):
-                if self.cancel.is_set():
-                    raise Cancelled(f"shard '{self.shard}': caller went away")
+                self._check_cancel()
                 if not self._body_complete():
                     # The caller is not reading while it still sends: a half-duplex client (requests,
                     # httpx, the SDK's pipeline stages) would deadlock with us. Keep consuming input.
