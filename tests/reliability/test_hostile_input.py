@@ -108,8 +108,8 @@ def test_chunked_body_over_the_shard_limit_never_completes(client: httpx.Client,
 
     try:
         response = client.put("/train/endless.tar", content=body())
-    except httpx.RemoteProtocolError:
-        return  # the transfer was cut: correct
+    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+        return  # the transfer was cut (a close, or a reset while the body was still unread): correct
     assert response.status_code == 413, response.status_code
     assert "ETL_MAX_SHARD_BYTES" in response.text
 
