@@ -298,6 +298,8 @@ def http_floor(frame_bytes: int, frames: int) -> dict:
     """
     import resource
 
+    from transformer.server.direct import drop_sent
+
     payload = os.urandom(frame_bytes)
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
@@ -310,15 +312,9 @@ def http_floor(frame_bytes: int, frames: int) -> dict:
             start = time.thread_time()
             connection.sendall(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
             for _ in range(frames):
-                parts = [memoryview(b"%x\r\n" % frame_bytes), memoryview(payload), memoryview(b"\r\n")]
+                parts = [b"%x\r\n" % frame_bytes, payload, b"\r\n"]
                 while parts:
-                    sent = connection.sendmsg(parts)
-                    while sent:
-                        if sent >= len(parts[0]):
-                            sent -= len(parts[0])
-                            parts.pop(0)
-                        else:
-                            parts[0], sent = parts[0][sent:], 0
+                    drop_sent(parts, connection.sendmsg(parts))
             connection.sendall(b"0\r\n\r\n")
             server_cpu.append(time.thread_time() - start)
 

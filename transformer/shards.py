@@ -42,12 +42,13 @@ END_OF_ARCHIVE = b"\0" * (2 * BLOCK)
 def read_samples(stream: BinaryIO, shard: str, max_member_bytes: int) -> Iterator[Sample]:
     """Yield the shard's samples in order; ``ShardError`` if the stream is not a complete tar."""
     try:
-        stream, decompressor = _decompressed(stream)
+        stream, compressed = _decompressed(stream)
     except Cancelled:
         raise
     except _TAR_ERRORS as exc:
         raise ShardError(shard, f"not a tar archive ({_reason(exc)})") from None
-    headers = _Headers(_Chunks(stream), max_member_bytes)
+    chunks = _Chunks(stream)
+    headers = _Headers(chunks, max_member_bytes)
     current: Sample | None = None
     for info, raw in _members(headers, shard):
         if info.sparse is not None:
@@ -61,8 +62,8 @@ def read_samples(stream: BinaryIO, shard: str, max_member_bytes: int) -> Iterato
                     "(ETL_MAX_MEMBER_BYTES)",
                 )
             try:
-                data = headers.chunks.read(info.size)
-                headers.chunks.skip(-info.size % BLOCK)  # padding: a cut here shows at the next header
+                data = chunks.read(info.size)
+                chunks.skip(-info.size % BLOCK)  # padding: a cut here shows at the next header
             except Cancelled:
                 raise
             except _TAR_ERRORS as exc:
@@ -84,14 +85,14 @@ def read_samples(stream: BinaryIO, shard: str, max_member_bytes: int) -> Iterato
         if current is not None:
             yield current
         current = Sample(key=key, members=[member], extensions=[extension])
-    if decompressor is not None:
-        _check_compressed_end(headers.chunks, shard)
+    if compressed:
+        _check_compressed_end(chunks, shard)
     if current is not None:
         yield current
 
 
-def _decompressed(stream: BinaryIO) -> tuple[BinaryIO, object | None]:
-    """The tar stream inside ``stream``: gzip, bzip2 and xz are recognised by their magic bytes."""
+def _decompressed(stream: BinaryIO) -> tuple[BinaryIO, bool]:
+    """The tar stream inside ``stream``, and whether it was compressed (gzip, bzip2, xz: by magic bytes)."""
     head = b""
     while len(head) < 6:  # a streamed body may hand out fewer bytes than asked for
         more = stream.read(6 - len(head))
@@ -101,9 +102,8 @@ def _decompressed(stream: BinaryIO) -> tuple[BinaryIO, object | None]:
     stream = _Prefixed(head, stream)
     for magic, opener in _COMPRESSED:
         if head.startswith(magic):
-            decompressed = opener(stream)
-            return decompressed, decompressed
-    return stream, None
+            return opener(stream), True
+    return stream, False
 
 
 # The decompressors' file objects check what tarfile's stream mode never does: gzip's CRC and length,

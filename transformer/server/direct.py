@@ -97,15 +97,20 @@ class DirectSender:
             except OSError as exc:  # EPIPE, ECONNRESET: the caller went away
                 raise Cancelled(f"caller went away while receiving ({exc.strerror or exc})") from None
             waited = 0.0
-            while sent:
-                first = len(parts[0])
-                if sent >= first:
-                    sent -= first
-                    parts.pop(0)
-                else:
-                    parts[0] = memoryview(parts[0])[sent:]
-                    sent = 0
+            drop_sent(parts, sent)
         return True
 
     def close(self) -> None:
         self._sock.close()
+
+
+def drop_sent(parts: list[bytes | memoryview], sent: int) -> None:
+    """Remove the first ``sent`` bytes from a ``sendmsg`` buffer list, in place (a partial send)."""
+    while sent:
+        first = len(parts[0])
+        if sent >= first:
+            sent -= first
+            parts.pop(0)
+        else:
+            parts[0] = memoryview(parts[0])[sent:]
+            sent = 0
