@@ -403,3 +403,32 @@ def test_the_plain_header_fast_path_agrees_with_tarfile_field_by_field() -> None
         assert (fast.get_info(), fast.offset, fast.offset_data) == (slow.get_info(), 1024, 1024 + BLOCK)
         checked += 1
     assert checked > 300 and fallbacks > 50
+
+
+def test_the_header_writer_fast_path_agrees_with_tarfile_byte_for_byte() -> None:
+    from transformer.shards import _ustar_header
+
+    rng = random.Random(7)
+    names = ["k.npy", "dir/sample-000001.image.npy", "a" * 100, "a" * 101, "caf\u00e9.npy", "x\udcff.npy", "n"]
+    fast_cases = 0
+    for case in range(800):
+        info = tarfile.TarInfo(rng.choice(names))
+        info.size = rng.choice([0, 1, 602_240, 8**11 - 1, 8**11])
+        info.mtime = rng.choice([0, 1_700_000_000, 1_700_000_000.5, 8**11 - 1, 8**11, -1])
+        info.mode = rng.choice([0o644, 0o7777, 0o100644])
+        info.uid, info.gid = rng.choice([0, 1000, 8**7 - 1, 8**7, -1]), rng.choice([0, 99, 8**7])
+        info.uname, info.gname = rng.choice(["", "user", "u" * 33, "\u00fc"]), rng.choice(["", "group"])
+        if case % 2 == 0:  # half the cases plain, as the service writes them: the fast path answers
+            info.name, info.size, info.mtime, info.uid, info.gid = f"s{case}.npy", 602_240, 1_700_000_000, 0, 0
+            info.uname = rng.choice(["", "user"])
+        if case % 10 == 0:
+            info.type = rng.choice([tarfile.SYMTYPE, tarfile.DIRTYPE, tarfile.AREGTYPE])
+            info.linkname = "target" if info.type == tarfile.SYMTYPE else ""
+        if case % 13 == 0:
+            info.pax_headers = {"comment": "x"}
+        expected = info.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8", errors="surrogateescape")
+        fast = _ustar_header(info)
+        if fast is not None:
+            assert fast == expected, info.get_info()
+            fast_cases += 1
+    assert fast_cases > 100
