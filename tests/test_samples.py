@@ -345,6 +345,7 @@ def test_16_bit_pngs_decode_to_their_high_byte(make_sample: MakeSample, make_opt
         ("k.jpg", b"", "0 bytes"),
         ("k.jpg", b"this is not an image at all", "not a decodable image"),
         ("k.jpg", jpeg_bytes(0, (200, 150))[:1500], "not a decodable image"),
+        ("k.jpg", b"\xff\xd8\xff\xe0 a JPEG start, then garbage", "not a decodable image"),
         ("k.png", png_bytes(exact_image(64))[:400], "not a decodable image"),
         ("k.trimap.png", b"\x89PNG\r\n\x1a\n garbage", "not a decodable image"),
         ("k.trimap.png", b"", "0 bytes"),
@@ -382,6 +383,45 @@ def test_decompression_bomb_is_refused_from_the_header(
     assert time.monotonic() - started < 2.0
     assert info.value.member == name
     assert "30000x30000" in info.value.reason and "ETL_MAX_IMAGE_PIXELS" in info.value.reason
+
+
+def jpeg_claiming(width: int, height: int) -> bytes:
+    """A small JPEG whose frame header (SOF0) claims another size: the pixel data stays small."""
+    data = bytearray(jpeg_bytes(0, (64, 48)))
+    sof = data.index(b"\xff\xc0")
+    struct.pack_into(">HH", data, sof + 5, height, width)
+    return bytes(data)
+
+
+def test_jpeg_bomb_is_refused_from_the_frame_header(
+    make_sample: MakeSample, make_options: MakeOptions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def must_not_decode(*args, **kwargs):
+        raise AssertionError("the pixel data must not be decoded")
+
+    monkeypatch.setattr(samples_module, "decode_image", must_not_decode)
+    monkeypatch.setattr(samples_module, "_decode_with_pil", must_not_decode)
+    with pytest.raises(SampleError) as info:
+        run(make_sample([("k.jpg", jpeg_claiming(30000, 30000)), ("k.cls", b"1")]), make_options(seed=0))
+    assert info.value.member == "k.jpg"
+    assert "30000x30000" in info.value.reason and "ETL_MAX_IMAGE_PIXELS" in info.value.reason
+
+
+def test_jpeg_size_from_libjpeg_agrees_with_pil() -> None:
+    image = Image.fromarray(exact_image(97, seed=3)).resize((131, 97))
+    forms = {}
+    for mode in ("RGB", "L", "CMYK"):
+        for progressive in (False, True):
+            buffer = io.BytesIO()
+            image.convert(mode).save(buffer, "JPEG", quality=90, progressive=progressive)
+            forms[(mode, progressive)] = buffer.getvalue()
+    exif = io.BytesIO()
+    image.save(exif, "JPEG", exif=Image.Exif().tobytes())
+    forms["exif"] = exif.getvalue()
+    for form, data in forms.items():
+        assert samples_module._jpeg_size(data) == Image.open(io.BytesIO(data)).size == (131, 97), form
+    for not_jpeg in (png_bytes(exact_image(8)), b"", b"\xff\xd8", b"\xff\xd8\xff\xe0garbage"):
+        assert samples_module._jpeg_size(not_jpeg) is None
 
 
 def test_pixel_limit_is_the_setting(make_sample: MakeSample) -> None:
