@@ -276,8 +276,8 @@ def ws_request(url: str, shard: Path, etl_args: str, timeout: float) -> Result:
     except Exception as exc:  # a failed request is a result (reported), not a crash of the benchmark
         return Result(False, 0, 0.0, time.monotonic() - start, 0, 0, f"{exc.__class__.__name__}: {exc}"[:300])
     seconds = time.monotonic() - start
-    # One message per object: the server sends it once the whole shard is transformed, so the first
-    # byte comes with the last and ttfb is close to the total.
+    # One message per object, which this service sends frame by frame as the shard is transformed
+    # (a server that sends it whole has its first byte come with the last: ttfb close to the total).
     return Result(True, 200, first or seconds, seconds, shard.stat().st_size, received)
 
 

@@ -60,6 +60,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from .config import Settings
     from .server.direct import DirectSendProtocol
+    from .server.wsstream import FragmentingWebSocketProtocol
 
     settings = Settings.from_env()  # fail fast, before binding the port, on a bad setting
     uvicorn.run(
@@ -72,8 +73,11 @@ def _serve(args: argparse.Namespace) -> int:
         # uvicorn's httptools protocol, which also hands the connection's transport to shard responses
         # so their threads can write the output themselves (server/direct.py).
         http=DirectSendProtocol,
-        # AIS sends up to 16 GiB per message and a shard is one message, held in memory whole: the
-        # shard limit caps it (the 1 MiB floor keeps room for control messages).
+        # uvicorn's websockets (sans-I/O) protocol, which can also send a reply frame by frame
+        # (server/wsstream.py). AIS sends up to 16 GiB per message and a shard sent as content is one
+        # message, held in memory whole: the shard limit caps it (the 1 MiB floor keeps room for
+        # control messages).
+        ws=FragmentingWebSocketProtocol,
         ws_max_size=min(16 * 2**30, max(settings.max_shard_bytes, 2**20)),
         ws_ping_interval=None,  # the target never answers pings' purpose; AIS itself sends none
         ws_ping_timeout=None,

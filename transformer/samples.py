@@ -81,6 +81,10 @@ def transform_sample(sample: Sample, options: TransformOptions, shard: str, obje
             continue
         inputs.append(_decode(member, kind, options, shard, sample.key))
         positions.append(position)
+    if len(inputs) == 1 and type(inputs[0]) is tv_tensors.Image:
+        # A lone image goes through v2 as a plain tensor, which v2 transforms as the image: its
+        # kernels are then called directly instead of through the tv_tensor unwrap/rewrap wrapper.
+        inputs[0] = inputs[0].as_subclass(torch.Tensor)
 
     seed = sample_seed(options.seed, options.epoch, object_name, sample.key)
     try:

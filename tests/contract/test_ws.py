@@ -8,9 +8,12 @@ treats any Text as success. So an error must never be a Text reply: the server c
 from __future__ import annotations
 
 import json
+import re
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 from websockets.exceptions import ConnectionClosed
@@ -18,9 +21,9 @@ from websockets.sync.client import ClientConnection, connect
 
 from tests.shardgen import imagenet_like_members, make_tar, read_tar
 
-from .conftest import AisDisk
+from .conftest import AisDisk, transformer_env
 from .fake_ais import FakeStage, FakeTarget, Fault, go_path_escape, unused_port
-from .harness import Service, escaped_uname
+from .harness import Service, escaped_uname, start_transformer
 from .outputs import assert_transformed, image_shard, plain_members, plain_shard
 
 REPLY_TIMEOUT = 60.0
@@ -184,3 +187,75 @@ def test_ws_one_connection_carries_request_after_request(service: Service) -> No
         for i in range(3):
             request(ws, f"again-{i}.tar", plain_shard(1, str(i)))
             assert read_tar(ws.recv(timeout=REPLY_TIMEOUT)) == plain_members(1, str(i))
+
+
+def test_ws_reply_is_one_message_sent_in_many_frames(service: Service, disk: AisDisk) -> None:
+    members = imagenet_like_members(8)
+    fqn = disk.put("train", "ws-frames.tar", make_tar(members))
+    with ws_session(service) as ws:
+        request(ws, "ws-frames.tar", fqn=fqn)
+        frames = list(ws.recv_streaming(decode=False))  # the message's frames as they arrive
+    assert len(frames) > 8, "the reply was held and sent whole"
+    assert_transformed(members, b"".join(frames))
+
+
+def test_ws_failure_after_the_reply_began_closes_in_the_middle_of_the_message(service: Service) -> None:
+    members = imagenet_like_members(40, extra=False)
+    members.append(("sample-999999.jpg", members[0][1][:200]))  # a broken JPEG, well after output began
+    frames: list[bytes] = []
+    with ws_session(service) as ws:
+        request(ws, "ws-late-failure.tar", make_tar(members), etl_args='{"on_error": "fail"}')
+        try:
+            for frame in ws.recv_streaming(decode=False):
+                frames.append(frame)
+        except ConnectionClosed as closed:
+            assert closed.rcvd is not None and closed.rcvd.code == 1011, f"closed with {closed.rcvd}"
+            assert "sample-999999" in closed.rcvd.reason
+        else:
+            raise AssertionError("a failed shard ended as a complete message")
+    assert frames, "the failure came before the reply began: this test needs a later failure"
+
+
+def _peak_rss_during(pid: int, action) -> int:
+    """The process's highest VmRSS (bytes), polled every 5 ms while ``action`` runs."""
+    peak, done = 0, threading.Event()
+
+    def poll() -> None:
+        nonlocal peak
+        while not done.is_set():
+            with open(f"/proc/{pid}/status") as status:
+                peak = max(peak, int(re.search(r"^VmRSS:\s+(\d+) kB", status.read(), re.M).group(1)) * 1024)
+            time.sleep(0.005)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        action()
+    finally:
+        done.set()
+        poller.join()
+    return peak
+
+
+def test_ws_reply_memory_does_not_grow_with_the_shard(target: FakeTarget, disk: AisDisk, logs: Path) -> None:
+    # A fresh service: a warm one may have freed memory to reuse, which would hide a reply held whole.
+    fresh = start_transformer("transformer-ws-memory", logs, transformer_env(target, disk))
+    try:
+        jpeg = imagenet_like_members(1)[0][1]
+        small = make_tar([("s-000000.jpg", jpeg), ("s-000000.cls", b"1")] * 1)
+        big = make_tar([m for i in range(300) for m in ((f"s-{i:06d}.jpg", jpeg), (f"s-{i:06d}.cls", b"1"))])
+        fqn_small, fqn_big = disk.put("train", "ws-small.tar", small), disk.put("train", "ws-big.tar", big)
+        sizes = {}
+
+        def one(path: str, fqn: str) -> None:
+            with ws_session(fresh) as ws:
+                request(ws, path, fqn=fqn)
+                sizes[path] = sum(len(frame) for frame in ws.recv_streaming(decode=False))
+
+        one("ws-small.tar", fqn_small)  # first-use costs: pool threads, caches
+        before = _peak_rss_during(fresh.process.pid, lambda: one("ws-small.tar", fqn_small))
+        peak = _peak_rss_during(fresh.process.pid, lambda: one("ws-big.tar", fqn_big))
+    finally:
+        fresh.stop()
+    assert sizes["ws-big.tar"] > 300 * 3 * 224 * 224 * 4  # 300 float32 (3, 224, 224) arrays: 181 MB
+    assert peak - before < 100 * 2**20, f"RSS grew by {(peak - before) / 2**20:.0f} MB for a 181 MB reply"

@@ -21,10 +21,11 @@ from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.websockets import WebSocketDisconnect
+from uvicorn.protocols.utils import ClientDisconnected
 
 from ..config import Settings
 from ..engine import TransformPool
-from ..errors import Cancelled, OptionsError, RequestError, TransformerError
+from ..errors import OptionsError, RequestError, TransformerError
 from ..options import parse_etl_args
 from . import direct
 from .hops import HEADER_NODE_URL, final_destination_is_remote, parse_node_url
@@ -41,6 +42,7 @@ from .jobs import (
     watch_disconnect,
 )
 from .metrics import Metrics
+from .wsstream import FragmentingWebSocketProtocol, fragmenter_of
 
 log = logging.getLogger("transformer.server")
 
@@ -251,9 +253,12 @@ async def serve_websocket(ws: WebSocket, rt: Runtime) -> None:
 
     There is no error frame in the protocol and AIS takes any Text reply as "delivered by direct put",
     so an error is never a Text reply: with a remote destination we reply Binary (AIS records an object
-    error); otherwise we close the socket with 1011 and the reason (AIS records a job error).
+    error); otherwise we close the socket with 1011 and the reason (AIS records a job error). The reply
+    leaves frame by frame as the shard is transformed (wsstream.py); a failure after its first frame
+    closes the socket with 1011 in the middle of the message.
     """
     await ws.accept()
+    fragmenter = fragmenter_of(ws.scope)
     try:
         while True:
             message = await ws.receive()
@@ -266,20 +271,36 @@ async def serve_websocket(ws: WebSocket, rt: Runtime) -> None:
             pipeline = control.get("pipeline") or ""
             try:
                 reply = await _ws_request(ws, rt, control, pipeline)
+                if isinstance(reply, _WsReply) and fragmenter is None:
+                    reply = await reply.whole()  # no frame-by-frame sending: one message, held whole
             except (TransformerError, ValueError) as exc:
                 text = exc.message if isinstance(exc, TransformerError) else str(exc)
                 log.warning("ws request %s failed: %s", control.get("path"), text)
                 if final_destination_is_remote(pipeline):
                     await ws.send_bytes(f"ETL error: {text}".encode())
                     continue
-                await ws.close(code=1011, reason=text.encode()[:120].decode("utf-8", "ignore"))
+                await _close_with_error(ws, text)
                 return
             if isinstance(reply, Final):
                 await ws.send_text(reply.headers.get("Ais-Direct-Put-Length", "0") if reply.headers else "0")
-            else:
+            elif isinstance(reply, bytes):
                 await ws.send_bytes(reply)
+            else:
+                try:
+                    await reply.send(fragmenter)
+                except (TransformerError, ValueError) as exc:
+                    text = exc.message if isinstance(exc, TransformerError) else str(exc)
+                    log.warning("ws request %s failed after its reply began: %s", control.get("path"), text)
+                    await _close_with_error(ws, text)
+                    return
+                except ClientDisconnected:
+                    return
     except WebSocketDisconnect:
         return
+
+
+async def _close_with_error(ws: WebSocket, text: str) -> None:
+    await ws.close(code=1011, reason=text.encode()[:120].decode("utf-8", "ignore"))
 
 
 def _control_message(message: dict[str, Any]) -> dict[str, Any] | None:
@@ -316,24 +337,66 @@ async def _ws_request(ws: WebSocket, rt: Runtime, control: dict[str, Any], pipel
     hop = parse_node_url(pipeline or None, path, etl_args, rt.settings.ais_target_url)
     job = ShardJob(rt, source, options, shard=path, object_name=path, hop=hop, comm="ws")
     job.start()
-    output: list[bytes] = []  # one ws message per object: ASGI cannot send fragmented messages
+    reply = _WsReply(job, path)
     try:
-        while True:
-            item = await job.next_item()
-            if item is None:
-                return b"".join(output)  # one copy (a growing bytearray then bytes() costs two)
-            if isinstance(item, BaseException):
-                raise item if isinstance(item, TransformerError) else TransformerError(repr(item))
-            if isinstance(item, Final):
-                if item.status == 204:
-                    return item
-                raise TransformerError(f"ws request {path!r}: next hop answered {item.status}: "
-                                       f"{item.body[:300].decode('utf-8', 'replace')}")
-            output.append(item)
-    except Cancelled:
-        raise
-    finally:
+        first = await reply.next()
+    except BaseException:
         job.cancel.set()
+        raise
+    if isinstance(first, Final):
+        job.cancel.set()
+        return first
+    reply.first = first
+    return reply
+
+
+class _WsReply:
+    """A ws reply whose first chunk is ready (so a failure before it is still an ordinary error reply)."""
+
+    def __init__(self, job: ShardJob, path: str):
+        self.job, self.path = job, path
+        self.first: bytes | memoryview | None = None
+
+    async def next(self) -> bytes | memoryview | Final | None:
+        """The job's next output chunk, its ``Final`` (a direct put or a next hop's answer), or None at the end."""
+        item = await self.job.next_item()
+        if item is None or isinstance(item, (bytes, bytearray, memoryview)):
+            return item
+        if isinstance(item, BaseException):
+            raise item if isinstance(item, TransformerError) else TransformerError(repr(item))
+        if isinstance(item, Final):
+            if item.status == 204:
+                return item
+            raise TransformerError(f"ws request {self.path!r}: next hop answered {item.status}: "
+                                   f"{item.body[:300].decode('utf-8', 'replace')}")
+        return item
+
+    async def _chunks(self):
+        chunk = self.first
+        while chunk is not None:
+            if isinstance(chunk, Final):
+                raise TransformerError(f"ws request {self.path!r}: a direct put answered after output began")
+            yield chunk
+            chunk = await self.next()
+
+    async def whole(self) -> bytes:
+        """Every chunk, joined: the message for a server that cannot send frame by frame."""
+        try:
+            return b"".join([bytes(chunk) if isinstance(chunk, memoryview) else chunk
+                             async for chunk in self._chunks()])
+        finally:
+            self.job.cancel.set()
+
+    async def send(self, fragmenter: FragmentingWebSocketProtocol) -> None:
+        """The reply as one Binary message of many frames, each sent as the shard's output arrives."""
+        first = True
+        try:
+            async for chunk in self._chunks():
+                await fragmenter.send_frame(chunk, first=first, fin=False)
+                first = False
+            await fragmenter.send_frame(b"", first=first, fin=True)
+        finally:
+            self.job.cancel.set()
 
 
 def _http_client(settings: Settings) -> httpx.Client:

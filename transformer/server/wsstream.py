@@ -1,0 +1,55 @@
+"""A ws reply sent as a fragmented message: memory bounded by the window, not by the shard.
+
+Why: ASGI sends a WebSocket message whole (``websocket.send`` carries all its bytes), and AIS wants one
+message per object, so a 1,000-image float32 shard meant a 600 MB reply held in memory, then framed
+(a copy) and joined (another copy) by uvicorn: 2.6 GB peak for a 100 MB shard, and AIS opens 8 ws
+connections per offline job. RFC 6455 lets one message travel as several frames (section 5.4: a
+Binary frame with FIN clear, continuation frames, the last with FIN set), and AIS's reader (gorilla
+``NextReader``/``ReadMessage``) reassembles them, so the reply can leave as the shard is transformed.
+
+How: uvicorn's websockets (sans-I/O) protocol, subclassed only to put itself into the ASGI scope under
+``EXTENSION`` and to send one frame of a message. Framing stays websockets' (``send_binary`` /
+``send_continuation``); flow control stays uvicorn's (``writable`` is cleared while the transport is
+above its high-water mark). A failure after the first frame is a close with 1011 in the middle of the
+message (control frames may interleave with fragments, RFC 6455 section 5.4), which the reader
+reports as an error: never a shorter message. Without the extension (another server or ws
+implementation) the reply is sent whole, as before.
+"""
+
+from __future__ import annotations
+
+from uvicorn.protocols.utils import ClientDisconnected
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.exceptions import InvalidState
+from websockets.http11 import Request
+
+EXTENSION = "transformer.ws_fragments"
+
+
+class FragmentingWebSocketProtocol(WebSocketsSansIOProtocol):
+    """uvicorn's websockets (sans-I/O) protocol that can also send a message frame by frame."""
+
+    def handle_connect(self, event: Request) -> None:
+        super().handle_connect(event)
+        scope = getattr(self, "scope", None)  # only set when the handshake is accepted
+        if scope is not None:
+            scope["extensions"][EXTENSION] = self
+
+    async def send_frame(self, data: bytes | memoryview, *, first: bool, fin: bool) -> None:
+        """One frame of a Binary message: the first opens it, ``fin`` ends it. Waits while writing is paused."""
+        await self.writable.wait()
+        if self.disconnected or self.close_sent:
+            raise ClientDisconnected()
+        try:
+            if first:
+                self.conn.send_binary(data, fin=fin)
+            else:
+                self.conn.send_continuation(data, fin=fin)
+        except InvalidState:
+            raise ClientDisconnected() from None
+        for piece in self.conn.data_to_send():  # one write each: no join of the frame's bytes
+            self.transport.write(piece)
+
+
+def fragmenter_of(scope: dict) -> FragmentingWebSocketProtocol | None:
+    return (scope.get("extensions") or {}).get(EXTENSION)
