@@ -196,6 +196,7 @@ def test_ws_reply_is_one_message_sent_in_many_frames(service: Service, disk: Ais
         request(ws, "ws-frames.tar", fqn=fqn)
         frames = list(ws.recv_streaming(decode=False))  # the message's frames as they arrive
     assert len(frames) > 8, "the reply was held and sent whole"
+    assert all(frames), "an empty frame (the last one carries data and FIN)"
     assert_transformed(members, b"".join(frames))
 
 

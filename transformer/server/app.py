@@ -389,12 +389,14 @@ class _WsReply:
 
     async def send(self, fragmenter: FragmentingWebSocketProtocol) -> None:
         """The reply as one Binary message of many frames, each sent as the shard's output arrives."""
-        first = True
+        held, first = None, True  # one chunk held back, so the last frame carries data and FIN
         try:
             async for chunk in self._chunks():
-                await fragmenter.send_frame(chunk, first=first, fin=False)
-                first = False
-            await fragmenter.send_frame(b"", first=first, fin=True)
+                if held is not None:
+                    await fragmenter.send_frame(held, first=first, fin=False)
+                    first = False
+                held = chunk
+            await fragmenter.send_frame(held if held is not None else b"", first=first, fin=True)
         finally:
             self.job.cancel.set()
 
