@@ -36,7 +36,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "ETL_OBJ_TIMEOUT": ("300s", "Time budget per object, same as the ETL's obj_timeout (Go duration or seconds)."),
     "ETL_MAX_MEMBER_BYTES": ("268435456", "Largest tar member accepted (bytes); larger fails the shard."),
     "ETL_MAX_SHARD_BYTES": ("17179869184", "Largest shard accepted (bytes, any comm type); larger is refused with 413. "
-                            "Also caps ws messages, which are held in memory whole."),
+                            "Also caps ws content messages, which are held in memory whole."),
     "ETL_MAX_IMAGE_PIXELS": ("100000000", "Largest decoded image (width x height); larger is a sample error."),
     "ETL_FQN_ROOTS": ("", "Comma-separated roots etl_fqn must lie under; empty = any AIS mountpath."),
     "ETL_ERROR_MANIFEST": ("true", "Append __etl__/errors.json to shards that lost or kept-as-is samples."),
