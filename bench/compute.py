@@ -48,6 +48,51 @@ def compute_limit(samples: list[Sample], preset: str, dtype: str, workers: int, 
             "cpu_ms_per_image": cpu / images * 1e3}
 
 
+def process_limit(samples: list[Sample], preset: str, dtype: str, workers: int, settings: Settings) -> dict:
+    """Images/s of ``transform_sample`` in ``workers`` forked processes, each on its share of ``samples``.
+
+    The same work as ``compute_limit`` without the GIL: what these cores give the transforms when no two
+    of them share an interpreter. Not how the service runs (threads: one copy of torch, no
+    serialization of samples and arrays between processes); reported so the cost of the GIL is a figure.
+    """
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")  # children share the loaded samples and imports
+    ready, go, results = context.Barrier(workers + 1), context.Event(), context.Queue()
+    share = len(samples) // workers
+
+    def child(index: int) -> None:
+        torch.set_num_threads(1)
+        options = options_from_mapping({"preset": preset, "dtype": dtype, "seed": 0}, settings)
+        mine = samples[index * share:(index + 1) * share]
+        for sample in mine[:2]:
+            transform_sample(sample, options, "compute-limit", "compute-limit")  # warm-up, as compute_limit
+        ready.wait()
+        go.wait()
+        cpu = time.process_time()
+        images = sum(sum(1 for m in transform_sample(s, options, "compute-limit", "compute-limit")
+                         if m.info.name.endswith(".npy")) for s in mine)
+        results.put((images, time.process_time() - cpu))
+
+    children = [context.Process(target=child, args=(i,), daemon=True) for i in range(workers)]
+    for process in children:
+        process.start()
+    try:
+        ready.wait(timeout=120)
+        start = time.perf_counter()
+        go.set()
+        outcomes = [results.get(timeout=600) for _ in children]
+        seconds = time.perf_counter() - start
+    finally:
+        for process in children:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+    images, cpu = sum(o[0] for o in outcomes), sum(o[1] for o in outcomes)
+    return {"images": images, "seconds": seconds, "images_per_s": images / seconds,
+            "cpu_ms_per_image": cpu / images * 1e3}
+
+
 def engine_limit(path: Path, preset: str, dtype: str, workers: int, settings: Settings) -> dict:
     """The service's engine without HTTP: ``transform_shard`` from the file to /dev/null, in this process.
 

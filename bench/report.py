@@ -187,7 +187,10 @@ def write_markdown(results: dict, path: Path) -> None:
               "Compute limit: `transform_sample` (decode, v2 transforms, .npy) over in-memory samples on the "
               "service's thread count, no tar, no HTTP. Engine: `transform_shard` from the shard file to /dev/null "
               "(tar in and out, ordered window; what `wds-transform apply` does). CPU ms/image is process CPU "
-              "over images, so it does not depend on how much of the machine other jobs took.", "",
+              "over images, so it does not depend on how much of the machine other jobs took. The same in "
+              "processes: `transform_sample` in as many forked processes as threads, each on its share of the "
+              "samples: the same work without the GIL (not the service's design: it would need a copy of torch "
+              "per process and samples and arrays passed between processes).", "",
               "| preset | stage | images/s | of limit | CPU ms/image | one sample, 1 thread (ms) |",
               "|---|---|---|---|---|---|"]
     for preset in ("imagenet-train", "imagenet-val"):
@@ -197,6 +200,13 @@ def write_markdown(results: dict, path: Path) -> None:
         if rows:
             lines.append(f"| {preset} | compute limit | {_fmt(median([r['images_per_s'] for r in rows]))} | 100% | "
                          f"{_fmt(median([r['cpu_ms_per_image'] for r in rows]), 2)} | {_fmt(median(single), 2)} |")
+        processes = [r for r in results.get("process_limit", []) if r["preset"] == preset]
+        if rows and processes:
+            limits = {r["round"]: r["images_per_s"] for r in rows}
+            fraction = median([p["images_per_s"] / limits[p["round"]] for p in processes if p["round"] in limits])
+            lines.append(f"| {preset} | the same in processes (no GIL) | "
+                         f"{_fmt(median([p['images_per_s'] for p in processes]))} | {_pct(fraction) or '–'} | "
+                         f"{_fmt(median([p['cpu_ms_per_image'] for p in processes]), 2)} | |")
         if engine:
             limits = {r["round"]: r["images_per_s"] for r in rows}
             fraction = median([e["images_per_s"] / limits[e["round"]] for e in engine if e["round"] in limits])
