@@ -320,3 +320,62 @@ def test_sample_seed_is_stable_and_sensitive_to_every_part() -> None:
     assert len({base, *variants}) == 6
     # Fields are separated: moving characters between object name and key changes the seed.
     assert sample_seed(1, 0, "ab", "c") != sample_seed(1, 0, "a", "bc")
+
+
+DIRECT_STEPS = [
+    v2.RandomResizedCrop(48, antialias=True),
+    v2.RandomResizedCrop((40, 56), antialias=False),
+    v2.RandomHorizontalFlip(p=1.0),
+    v2.Resize(37, antialias=True),
+    v2.Resize([30, 70], antialias=False),
+    v2.Resize(64),
+    v2.CenterCrop(32),
+    v2.CenterCrop([64, 20]),
+]
+
+
+def uint8_layouts(seed: int) -> dict[str, torch.Tensor]:
+    """One random uint8 image in the memory layouts decoders and earlier steps hand over."""
+    generator = torch.Generator().manual_seed(seed)
+    height, width = (int(v) for v in torch.randint(40, 130, (2,), generator=generator))
+    hwc = torch.randint(0, 256, (height, width, 3), dtype=torch.uint8, generator=generator)
+    return {
+        "contiguous": hwc.permute(2, 0, 1).contiguous(),
+        "channels_last": hwc.permute(2, 0, 1),  # what decode_image returns
+        "strided": hwc.permute(2, 0, 1).contiguous()[:, ::2, 1:],
+    }
+
+
+def test_direct_steps_equal_torchvisions_transform_pixel_for_pixel() -> None:
+    from transformer.spec import _direct_step
+
+    taken = 0
+    for seed in range(16):
+        for layout, image in uint8_layouts(seed).items():
+            for step in DIRECT_STEPS:
+                torch.manual_seed(seed)
+                params = step.make_params([image])
+                got = _direct_step(step, params, image)
+                if got is None:
+                    continue
+                want = step.transform(image, params)
+                assert got.shape == want.shape and torch.equal(got, want), (layout, step, params)
+                taken += 1
+    assert taken > 300
+
+
+def test_direct_steps_leave_everything_else_to_torchvision() -> None:
+    from transformer.spec import _direct_step
+
+    image = uint8_layouts(0)["contiguous"]
+    params = {"top": 0, "left": 0, "height": 30, "width": 30}
+    crop = v2.RandomResizedCrop(24, antialias=True)
+    assert _direct_step(crop, params, image) is not None
+    assert _direct_step(crop, params, image.float()) is None  # float images
+    assert _direct_step(crop, params, tv_tensors.Image(image)) is None  # tv_tensors (masks ride along)
+    assert _direct_step(crop, params, image[None]) is None  # batched
+    assert _direct_step(v2.RandomResizedCrop(24, interpolation=InterpolationMode.BICUBIC), params, image) is None
+    assert _direct_step(crop, {**params, "left": image.shape[-1] - 10}, image) is None  # past the edge
+    assert _direct_step(v2.Resize(30, max_size=40), {}, image) is None
+    assert _direct_step(v2.CenterCrop(image.shape[-1] + 1), {}, image) is None  # torchvision pads
+    assert _direct_step(v2.ColorJitter(brightness=0.5), {}, image) is None
