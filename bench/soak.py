@@ -1,7 +1,8 @@
 """Bounded load and soak test of the service over loopback: ``python -m bench.soak --duration 600``.
 
 Starts ``python -m transformer serve`` on 127.0.0.1, then keeps ``--concurrency`` shard requests in
-flight for ``--duration`` seconds, mixing good and corrupt shards (hpush body and hpush ``etl_fqn``):
+flight for ``--duration`` seconds, mixing good and corrupt shards (hpush body, hpush ``etl_fqn`` and
+ws with an ``fqn`` control message, one connection per request):
 
 * every answer is checked: a 200 must be byte-identical to the reference answer for that shard
   (imagenet-val is deterministic), an error must have its expected status and message; a request
@@ -62,6 +63,7 @@ class Kind:
     message: str = ""  # expected substring of an error body
     reference: bytes | None = None  # the 200 answer every later answer must equal
     abort_ok: bool = False  # a broken transfer (never a clean short answer) is also correct
+    ws: bool = False  # sent as a ws control message (fqn), answered by one Binary message or a 1011 close
 
     def url(self, base: str, index: int) -> str:
         params = {}
@@ -89,6 +91,9 @@ def workload(root: Path, samples: int) -> list[Kind]:
     fqn.parent.mkdir(parents=True, exist_ok=True)
     fqn.write_bytes(good)
     bad_first = make_tar([("s09999.jpg", b"\xff\xd8\xff\xe0 not really a jpeg")] + _members(1, 200))
+    late = _members(samples, 100) + [("s00150.jpg", b"\xff\xd8\xff\xe0 not really a jpeg")]
+    late_fail = fqn.parent / "late-fail.tar"
+    late_fail.write_bytes(make_tar(late))
     return [
         Kind("good-body", 6, good),
         Kind("good-fqn", 4, b"", fqn=str(fqn)),
@@ -102,6 +107,11 @@ def workload(root: Path, samples: int) -> list[Kind]:
         Kind("fail-policy", 1, bad_first, etl_args='{"on_error": "fail"}', status=422,
              message="sample 's09999' (member 's09999.jpg')"),
         Kind("bad-args", 1, good, etl_args='{"preset": "nope"}', status=400, message="unknown preset"),
+        Kind("good-ws", 2, b"", fqn=str(fqn), ws=True),
+        # A sample failing under on_error=fail well after the reply began: a 1011 close in the middle
+        # of the message, never a complete one.
+        Kind("ws-late-fail", 1, b"", fqn=str(late_fail), etl_args='{"on_error": "fail"}', ws=True, status=1011,
+             message="sample 's00150'"),
     ]
 
 
@@ -197,6 +207,38 @@ def check(kind: Kind, response: httpx.Response) -> str | None:
     return None
 
 
+def ws_request(service: ServiceProcess, kind: Kind, index: int) -> tuple[int, bytes | str]:
+    """One ws request on a new connection: (1000, the reply) or (close code, reason) if the socket closed."""
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    control = {"path": f"soak/{kind.name}-{index}.tar", "fqn": quote(kind.fqn, safe="$&+:=@")}
+    if kind.etl_args:
+        control["etl_args"] = kind.etl_args
+    with connect(f"ws://127.0.0.1:{service.port}/ws", max_size=None, compression=None, open_timeout=10,
+                 close_timeout=5) as ws:
+        ws.send(json.dumps(control).encode())
+        try:
+            reply = ws.recv(timeout=120)
+        except ConnectionClosed as closed:
+            return (closed.rcvd.code, closed.rcvd.reason) if closed.rcvd else (1006, "no close frame")
+    if isinstance(reply, str):
+        return 1000, "a Text reply: " + reply[:200]
+    return 1000, reply
+
+
+def check_ws(kind: Kind, code: int, reply: bytes | str) -> str | None:
+    if kind.status == 200:
+        if code != 1000 or not isinstance(reply, bytes):
+            return f"{kind.name}: closed with {code} {reply!r:.200}, expected a Binary reply"
+        if reply != kind.reference:
+            return f"{kind.name}: reply differs from the reference ({len(reply)} bytes)"
+        return None
+    if code != kind.status or not isinstance(reply, str) or kind.message not in reply:
+        return f"{kind.name}: {code} {reply!r:.200}, expected a {kind.status} close naming {kind.message!r}"
+    return None
+
+
 def build_references(service: ServiceProcess, kinds: list[Kind]) -> None:
     """The first 200 answer of each kind is its reference, after a structural check."""
     import io
@@ -204,6 +246,14 @@ def build_references(service: ServiceProcess, kinds: list[Kind]) -> None:
 
     with httpx.Client(timeout=120) as client:
         for kind in kinds:
+            if kind.ws:
+                code, reply = ws_request(service, kind, 0)
+                if kind.status == 200 and code == 1000 and isinstance(reply, bytes):
+                    kind.reference = reply
+                problem = check_ws(kind, code, reply)
+                if problem:
+                    raise RuntimeError(f"warm-up: {problem}")
+                continue
             response = client.put(kind.url(service.url, 0), content=kind.body)
             if kind.status != 200:
                 problem = check(kind, response)
@@ -219,6 +269,9 @@ def build_references(service: ServiceProcess, kinds: list[Kind]) -> None:
             if not npys or has_manifest != (kind.name == "bad-sample"):
                 raise RuntimeError(f"warm-up: {kind.name} gave an unexpected shard: {names}")
             kind.reference = response.content
+    by_name = {kind.name: kind for kind in kinds}
+    if "good-ws" in by_name and "good-fqn" in by_name and by_name["good-ws"].reference != by_name["good-fqn"].reference:
+        raise RuntimeError("warm-up: the ws reply differs from the hpush reply for the same shard")
 
 
 def load(service: ServiceProcess, kinds: list[Kind], concurrency: int, deadline: float, tally: Tally) -> None:
@@ -233,6 +286,21 @@ def load(service: ServiceProcess, kinds: list[Kind], concurrency: int, deadline:
                 with tally.lock:
                     tally.sent[kind.name] = tally.sent.get(kind.name, 0) + 1
                 started = time.monotonic()
+                if kind.ws:
+                    try:
+                        code, reply = ws_request(service, kind, index)
+                    except Exception as exc:  # noqa: BLE001 - no answer at all: lost
+                        with tally.lock:
+                            tally.lost.append(f"{kind.name}: {exc.__class__.__name__}: {exc}")
+                        continue
+                    problem = check_ws(kind, code, reply)
+                    with tally.lock:
+                        tally.answered[kind.name] = tally.answered.get(kind.name, 0) + 1
+                        tally.latencies.append(time.monotonic() - started)
+                        tally.bytes_out += len(reply) if isinstance(reply, bytes) else 0
+                        if problem:
+                            tally.wrong.append(problem)
+                    continue
                 try:
                     response = client.put(kind.url(service.url, index), content=kind.body)
                 except httpx.RemoteProtocolError as exc:
