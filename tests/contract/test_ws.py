@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from tests.shardgen import imagenet_like_members, make_tar, read_tar
 
 from .conftest import AisDisk, transformer_env
 from .fake_ais import FakeStage, FakeTarget, Fault, go_path_escape, unused_port
-from .harness import Service, escaped_uname, start_transformer
+from .harness import Service, escaped_uname, free_port, start_transformer
 from .outputs import assert_transformed, image_shard, plain_members, plain_shard
 
 REPLY_TIMEOUT = 60.0
@@ -260,3 +261,25 @@ def test_ws_reply_memory_does_not_grow_with_the_shard(target: FakeTarget, disk: 
         fresh.stop()
     assert sizes["ws-big.tar"] > 300 * 3 * 224 * 224 * 4  # 300 float32 (3, 224, 224) arrays: 181 MB
     assert peak - before < 100 * 2**20, f"RSS grew by {(peak - before) / 2**20:.0f} MB for a 181 MB reply"
+
+
+def test_under_plain_uvicorn_the_ws_reply_is_sent_whole_and_identical(service: Service, target: FakeTarget,
+                                                                      disk: AisDisk, logs: Path) -> None:
+    # `uvicorn transformer.server:app` has no frame-by-frame sender: the reply is one frame, same bytes.
+    port = free_port()
+    command = [sys.executable, "-m", "uvicorn", "transformer.server:app", "--host", "127.0.0.1",
+               "--port", str(port), "--ws-max-size", str(2**30), "--log-level", "warning"]
+    plain = Service("uvicorn-plain-ws", command, transformer_env(target, disk), logs, port).wait_healthy(90)
+    try:
+        members = imagenet_like_members(5)
+        fqn = disk.put("train", "ws-plain.tar", make_tar(members))
+        replies = {}
+        for server in (service, plain):
+            with ws_session(server) as ws:
+                request(ws, "ws-plain.tar", fqn=fqn)
+                replies[server.name] = list(ws.recv_streaming(decode=False))
+    finally:
+        plain.stop()
+    assert len(replies[plain.name]) == 1 and len(replies[service.name]) > 1
+    assert replies[plain.name][0] == b"".join(replies[service.name])
+    assert_transformed(members, replies[plain.name][0])
