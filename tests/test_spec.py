@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -362,6 +366,35 @@ def test_direct_steps_equal_torchvisions_transform_pixel_for_pixel() -> None:
                 assert got.shape == want.shape and torch.equal(got, want), (layout, step, params)
                 taken += 1
     assert taken > 300
+
+
+_WITHOUT_AVX2 = """
+import torch
+from tests.test_spec import DIRECT_STEPS, uint8_layouts
+from transformer.spec import _direct_step
+
+assert torch.backends.cpu.get_cpu_capability() == "DEFAULT"
+taken = set()
+for seed in range(6):
+    for image in uint8_layouts(seed).values():
+        for step in DIRECT_STEPS:
+            torch.manual_seed(seed)
+            params = step.make_params([image])
+            got = _direct_step(step, params, image)
+            if got is not None:
+                assert torch.equal(got, step.transform(image, params)), (step, params)
+                taken.add(type(step).__name__)
+assert taken == {"RandomHorizontalFlip", "CenterCrop"}, taken  # resizes: torchvision goes through float32
+"""
+
+
+def test_direct_steps_follow_torchvision_on_cpus_without_avx2() -> None:
+    # torchvision resizes uint8 natively only with AVX2/AVX512 (or on ARM); elsewhere it converts to
+    # float32 and rounds, so the direct resize would differ by 1 here and there: it must step aside.
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_AVX2], env=env, cwd=Path(__file__).parents[1],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_direct_steps_leave_everything_else_to_torchvision() -> None:

@@ -27,7 +27,10 @@ import yaml
 from torchvision import tv_tensors
 from torchvision.transforms import InterpolationMode, v2
 from torchvision.transforms.v2._transform import _RandomApplyTransform
-from torchvision.transforms.v2.functional._geometry import _compute_resized_output_size
+from torchvision.transforms.v2.functional._geometry import (
+    _compute_resized_output_size,
+    _do_native_uint8_resize_on_cpu,
+)
 
 from .errors import OptionsError
 
@@ -126,6 +129,12 @@ class Pipeline:
         return flat
 
 
+@functools.lru_cache(maxsize=1)
+def _native_uint8_bilinear() -> bool:
+    """Whether torchvision resizes uint8 images bilinearly as uint8 on this CPU (its own test, cached)."""
+    return _do_native_uint8_resize_on_cpu(InterpolationMode.BILINEAR)
+
+
 def _direct_step(transform: v2.Transform, params: dict[str, Any], image: Any) -> torch.Tensor | None:
     """The presets' geometric steps on a lone uint8 image, as the same torch calls v2 ends in.
 
@@ -138,7 +147,7 @@ def _direct_step(transform: v2.Transform, params: dict[str, Any], image: Any) ->
     interpolation, a crop reaching past the edge) returns None and takes v2's own path;
     ``tests/test_spec.py`` checks the outputs are identical, pixel for pixel, to ``transform.transform``.
     """
-    if type(image) is not torch.Tensor or image.dtype != torch.uint8 or image.ndim != 3 or image.is_cuda:
+    if type(image) is not torch.Tensor or image.dtype != torch.uint8 or image.ndim != 3 or image.device.type != "cpu":
         return None
     kind = type(transform)
     if kind is v2.RandomHorizontalFlip:
@@ -164,6 +173,8 @@ def _direct_step(transform: v2.Transform, params: dict[str, Any], image: Any) ->
         return None
     if transform.interpolation not in (InterpolationMode.BILINEAR, "bilinear") or min(image.shape) == 0:
         return None  # (v2 keeps the mode as given: the enum, its string, or a PIL integer)
+    if not _native_uint8_bilinear():
+        return None  # without AVX2 (or on ppc64le, s390x), torchvision resizes in float32 and rounds
     if tuple(image.shape[-2:]) == tuple(size):
         return image  # resize_image returns an image already at the size unchanged
     return torch.nn.functional.interpolate(image[None], size=list(size), mode="bilinear", align_corners=False,

@@ -283,3 +283,27 @@ def test_under_plain_uvicorn_the_ws_reply_is_sent_whole_and_identical(service: S
     assert len(replies[plain.name]) == 1 and len(replies[service.name]) > 1
     assert replies[plain.name][0] == b"".join(replies[service.name])
     assert_transformed(members, replies[plain.name][0])
+
+
+def test_ws_reply_nobody_reads_ends_at_the_object_timeout(impatient: Service, disk: AisDisk) -> None:
+    # 120 float32 images (72 MB) to a client that does not read: the socket buffers fill, the reply
+    # waits, and at the object timeout (2 s here) the socket is closed with 1011 in mid-message: the
+    # shard's thread and window are released instead of waiting for a reader forever.
+    jpeg = imagenet_like_members(1)[0][1]
+    fqn = disk.put("train", "ws-unread.tar",
+                   make_tar([m for i in range(120) for m in ((f"u-{i:04d}.jpg", jpeg), (f"u-{i:04d}.cls", b"1"))]))
+    with ws_session(impatient) as ws:
+        request(ws, "ws-unread.tar", fqn=fqn)
+        time.sleep(3.5)  # not reading, past the 2 s object timeout
+        metrics = httpx.get(impatient.url + "/metrics", timeout=5).text
+        assert re.search(r"^etl_inflight_shards 0(\.0)?$", metrics, re.M), "still in flight while nobody reads"
+        received = 0
+        try:
+            for frame in ws.recv_streaming(decode=False):
+                received += len(frame)
+        except ConnectionClosed as closed:
+            assert closed.rcvd is not None and closed.rcvd.code == 1011, f"closed with {closed.rcvd}"
+            assert "object timeout" in closed.rcvd.reason
+        else:
+            raise AssertionError("the reply completed although nobody read it within the object timeout")
+    assert 0 < received < 120 * 602_240

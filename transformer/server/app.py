@@ -291,7 +291,10 @@ async def serve_websocket(ws: WebSocket, rt: Runtime) -> None:
                 except (TransformerError, ValueError) as exc:
                     text = exc.message if isinstance(exc, TransformerError) else str(exc)
                     log.warning("ws request %s failed after its reply began: %s", control.get("path"), text)
-                    await _close_with_error(ws, text)
+                    if reply.frames_sent == 0 and final_destination_is_remote(pipeline):
+                        await ws.send_bytes(f"ETL error: {text}".encode())  # as before any output
+                        continue
+                    await _close_with_error(ws, text)  # in the middle of the message: never a short one
                     return
                 except ClientDisconnected:
                     return
@@ -312,7 +315,7 @@ def _control_message(message: dict[str, Any]) -> dict[str, Any] | None:
     return control if isinstance(control, dict) else None
 
 
-async def _ws_request(ws: WebSocket, rt: Runtime, control: dict[str, Any], pipeline: str) -> bytes | Final:
+async def _ws_request(ws: WebSocket, rt: Runtime, control: dict[str, Any], pipeline: str) -> _WsReply | Final:
     path = str(control.get("path") or "")
     etl_args = str(control.get("etl_args") or "")
     fqn = control.get("fqn")
@@ -356,6 +359,7 @@ class _WsReply:
     def __init__(self, job: ShardJob, path: str):
         self.job, self.path = job, path
         self.first: bytes | memoryview | None = None
+        self.frames_sent = 0
 
     async def next(self) -> bytes | memoryview | Final | None:
         """The job's next output chunk, its ``Final`` (a direct put or a next hop's answer), or None at the end."""
@@ -382,21 +386,26 @@ class _WsReply:
     async def whole(self) -> bytes:
         """Every chunk, joined: the message for a server that cannot send frame by frame."""
         try:
-            return b"".join([bytes(chunk) if isinstance(chunk, memoryview) else chunk
-                             async for chunk in self._chunks()])
+            return b"".join([chunk async for chunk in self._chunks()])
         finally:
             self.job.cancel.set()
 
     async def send(self, fragmenter: FragmentingWebSocketProtocol) -> None:
         """The reply as one Binary message of many frames, each sent as the shard's output arrives."""
-        held, first = None, True  # one chunk held back, so the last frame carries data and FIN
+        held = None  # one chunk held back, so the last frame carries data and FIN
+        deadline = self.job.deadline
         try:
             async for chunk in self._chunks():
                 if held is not None:
-                    await fragmenter.send_frame(held, first=first, fin=False)
-                    first = False
+                    await fragmenter.send_frame(held, first=self.frames_sent == 0, fin=False, deadline=deadline)
+                    self.frames_sent += 1
                 held = chunk
-            await fragmenter.send_frame(held if held is not None else b"", first=first, fin=True)
+            await fragmenter.send_frame(held if held is not None else b"", first=self.frames_sent == 0, fin=True,
+                                        deadline=deadline)
+            self.frames_sent += 1
+        except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
+            raise TransformerError(f"ws request {self.path!r}: the reply was not read within the object "
+                                   "timeout") from None
         finally:
             self.job.cancel.set()
 

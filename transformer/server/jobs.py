@@ -428,8 +428,12 @@ class ShardJob:
                 self._check_cancel()
 
     def _check_cancel(self) -> None:
+        """While the driver waits for the caller to take output: gone, or past the object timeout."""
         if self.cancel.is_set():
             raise Cancelled(f"shard '{self.shard}': caller went away")
+        if time.monotonic() > self.deadline:  # a caller that stopped reading must not pin the window
+            raise TransformerError(f"shard '{self.shard}': object timeout exceeded while the caller was not "
+                                   f"reading the output ({self.report.samples_out} samples sent)")
 
     def _close_direct(self) -> None:
         with self._direct_lock:

@@ -18,6 +18,9 @@ implementation) the reply is sent whole, as before.
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from uvicorn.protocols.utils import ClientDisconnected
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.exceptions import InvalidState
@@ -35,9 +38,14 @@ class FragmentingWebSocketProtocol(WebSocketsSansIOProtocol):
         if scope is not None:
             scope["extensions"][EXTENSION] = self
 
-    async def send_frame(self, data: bytes | memoryview, *, first: bool, fin: bool) -> None:
-        """One frame of a Binary message: the first opens it, ``fin`` ends it. Waits while writing is paused."""
-        await self.writable.wait()
+    async def send_frame(self, data: bytes | memoryview, *, first: bool, fin: bool, deadline: float) -> None:
+        """One frame of a Binary message: the first opens it, ``fin`` ends it.
+
+        Waits while writing is paused (the peer is not reading), until ``deadline`` (``time.monotonic``),
+        then raises ``TimeoutError``.
+        """
+        if not self.writable.is_set():
+            await asyncio.wait_for(self.writable.wait(), max(0.0, deadline - time.monotonic()))
         if self.disconnected or self.close_sent:
             raise ClientDisconnected()
         try:
