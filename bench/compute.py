@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import queue
 import statistics
 import time
 from collections.abc import Callable
@@ -81,7 +82,14 @@ def process_limit(samples: list[Sample], preset: str, dtype: str, workers: int, 
         ready.wait(timeout=120)
         start = time.perf_counter()
         go.set()
-        outcomes = [results.get(timeout=600) for _ in children]
+        outcomes: list[tuple[int, float]] = []
+        while len(outcomes) < workers:
+            try:
+                outcomes.append(results.get(timeout=1.0))
+            except queue.Empty:
+                failed = [p.exitcode for p in children if p.exitcode not in (None, 0)]
+                if failed or time.perf_counter() - start > 600:
+                    raise RuntimeError(f"process limit: a worker process failed (exit codes {failed})") from None
         seconds = time.perf_counter() - start
     finally:
         for process in children:
