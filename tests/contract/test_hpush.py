@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+import socket
+import time
 
 import httpx
 import numpy as np
@@ -12,7 +15,7 @@ from tests.shardgen import imagenet_like_members, jpeg_bytes, make_tar, read_tar
 
 from .conftest import AisDisk
 from .fake_ais import FakeTarget
-from .harness import args_query, fqn_query, uname
+from .harness import Service, args_query, fqn_query, uname
 from .outputs import (
     ERROR_MANIFEST,
     assert_transformed,
@@ -253,3 +256,22 @@ def test_hpush_fqn_of_a_chunked_object_reads_the_whole_object(client: httpx.Clie
     response = client.put(f"/train/chunked.tar?{fqn_query(fqn)}", content=b"")
     assert response.status_code == 200, response.text
     assert_transformed(inputs, response.content)
+
+
+def test_hpush_reply_nobody_reads_ends_at_the_object_timeout(impatient: Service, disk: AisDisk) -> None:
+    # A caller that keeps the connection open but stops reading: at the object timeout (2 s here) the
+    # shard's thread gives up and its window is released; the response can only end broken.
+    jpeg = imagenet_like_members(1)[0][1]
+    fqn = disk.put("train", "unread.tar",
+                   make_tar([m for i in range(120) for m in ((f"u-{i:04d}.jpg", jpeg), (f"u-{i:04d}.cls", b"1"))]))
+    request = (f"PUT /train/unread.tar?{fqn_query(fqn)} HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", impatient.port), timeout=10) as sock:
+        sock.sendall(request)
+        time.sleep(3.5)  # not reading, past the object timeout
+        metrics = httpx.get(impatient.url + "/metrics", timeout=5).text
+        assert re.search(r"^etl_inflight_shards 0(\.0)?$", metrics, re.M), "still in flight while nobody reads"
+        received = b""
+        while chunk := sock.recv(1 << 20):
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 200")
+    assert not received.endswith(b"\r\n0\r\n\r\n"), "a shard nobody read ended as a complete response"
