@@ -269,41 +269,29 @@ async def serve_websocket(ws: WebSocket, rt: Runtime) -> None:
                 await ws.close(code=1003, reason="expected a JSON control message {path, fqn?, etl_args?, pipeline?}")
                 return
             pipeline = control.get("pipeline") or ""
+            reply: _WsReply | Final | None = None
             try:
                 reply = await _ws_request(ws, rt, control, pipeline)
-                if isinstance(reply, _WsReply) and fragmenter is None:
-                    reply = await reply.whole()  # no frame-by-frame sending: one message, held whole
+                if isinstance(reply, Final):
+                    await ws.send_text(reply.headers.get("Ais-Direct-Put-Length", "0") if reply.headers else "0")
+                elif fragmenter is None:
+                    await ws.send_bytes(await reply.whole())  # no frame-by-frame sending: one message, held whole
+                else:
+                    await reply.send(fragmenter)
+            except ClientDisconnected:
+                return
             except (TransformerError, ValueError) as exc:
                 text = exc.message if isinstance(exc, TransformerError) else str(exc)
                 log.warning("ws request %s failed: %s", control.get("path"), text)
-                if final_destination_is_remote(pipeline):
+                began = isinstance(reply, _WsReply) and reply.frames_sent > 0
+                if not began and final_destination_is_remote(pipeline):
                     await ws.send_bytes(f"ETL error: {text}".encode())
                     continue
-                await _close_with_error(ws, text)
+                # (once the reply began, in the middle of its message: never a shorter one)
+                await ws.close(code=1011, reason=text.encode()[:120].decode("utf-8", "ignore"))
                 return
-            if isinstance(reply, Final):
-                await ws.send_text(reply.headers.get("Ais-Direct-Put-Length", "0") if reply.headers else "0")
-            elif isinstance(reply, bytes):
-                await ws.send_bytes(reply)
-            else:
-                try:
-                    await reply.send(fragmenter)
-                except (TransformerError, ValueError) as exc:
-                    text = exc.message if isinstance(exc, TransformerError) else str(exc)
-                    log.warning("ws request %s failed after its reply began: %s", control.get("path"), text)
-                    if reply.frames_sent == 0 and final_destination_is_remote(pipeline):
-                        await ws.send_bytes(f"ETL error: {text}".encode())  # as before any output
-                        continue
-                    await _close_with_error(ws, text)  # in the middle of the message: never a short one
-                    return
-                except ClientDisconnected:
-                    return
     except WebSocketDisconnect:
         return
-
-
-async def _close_with_error(ws: WebSocket, text: str) -> None:
-    await ws.close(code=1011, reason=text.encode()[:120].decode("utf-8", "ignore"))
 
 
 def _control_message(message: dict[str, Any]) -> dict[str, Any] | None:
