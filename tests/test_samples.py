@@ -14,7 +14,7 @@ import pytest
 import torch
 import webdataset as wds
 from PIL import Image, ImageFile, features
-from torchvision.io import decode_image
+from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
 from tests.shardgen import jpeg_bytes, photo, png_bytes, trimap_bytes
@@ -373,7 +373,7 @@ def test_decompression_bomb_is_refused_from_the_header(
     def must_not_decode(*args, **kwargs):
         raise AssertionError("the pixel data must not be decoded")
 
-    monkeypatch.setattr(samples_module, "decode_image", must_not_decode)
+    monkeypatch.setattr(samples_module, "_decode_op", must_not_decode)
     monkeypatch.setattr(samples_module, "_decode_with_pil", must_not_decode)
     monkeypatch.setattr(ImageFile.ImageFile, "load", must_not_decode)
     members = [(name, png_bomb()), ("k.cls", b"1")]
@@ -399,7 +399,7 @@ def test_jpeg_bomb_is_refused_from_the_frame_header(
     def must_not_decode(*args, **kwargs):
         raise AssertionError("the pixel data must not be decoded")
 
-    monkeypatch.setattr(samples_module, "decode_image", must_not_decode)
+    monkeypatch.setattr(samples_module, "_decode_op", must_not_decode)
     monkeypatch.setattr(samples_module, "_decode_with_pil", must_not_decode)
     with pytest.raises(SampleError) as info:
         run(make_sample([("k.jpg", jpeg_claiming(30000, 30000)), ("k.cls", b"1")]), make_options(seed=0))
@@ -487,3 +487,16 @@ def test_sample_members_may_arrive_in_any_tar_form(make_options: MakeOptions) ->
     sample = Sample("k", [Member(info, [data[:100], memoryview(data)[100:]])], ["jpg"])
     (member,) = transform_sample(sample, make_options(preset="resize-224"), "s", "s")
     assert load(member).shape == (3, 224, 224)
+
+
+def test_the_decode_op_is_torchvisions_decode_image() -> None:
+    cmyk = io.BytesIO()
+    Image.fromarray(exact_image(40, seed=4)).convert("CMYK").save(cmyk, "JPEG")
+    gray = io.BytesIO()
+    Image.fromarray(exact_image(40, seed=5)).convert("L").save(gray, "PNG")
+    rgb16 = png_rgb16(exact_image(24).astype(np.uint16) * 257)
+    for data in (jpeg_bytes(0, (64, 48)), png_bytes(exact_image(32)), rgb16, cmyk.getvalue(), gray.getvalue()):
+        encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        want = decode_image(encoded, mode=ImageReadMode.RGB)
+        got = samples_module._decode_op(encoded, ImageReadMode.RGB.value, False)
+        assert got.dtype == want.dtype and torch.equal(got, want)

@@ -20,7 +20,7 @@ import simplejpeg
 import torch
 from PIL import Image
 from torchvision import tv_tensors
-from torchvision.io import ImageReadMode, decode_image
+from torchvision.io import ImageReadMode
 from torchvision.transforms.v2.functional import to_dtype
 
 from .errors import SampleError
@@ -30,6 +30,12 @@ from .spec import sample_seed
 # The pixel limit is ours (ETL_MAX_IMAGE_PIXELS, checked from the header before decoding); PIL's
 # own warning/error thresholds would otherwise fire first with a less useful message.
 Image.MAX_IMAGE_PIXELS = None
+
+# torchvision's decoder, called as the op ``torchvision.io.decode_image`` calls (input, mode, apply EXIF
+# orientation). The wrapper adds a DeprecationWarning per call (torchvision 0.29 moves decoding to
+# TorchCodec) and an op lookup by name: Python holding the GIL the other threads wait for, +2-5%
+# images/s in an A/B of the service without it. tests/test_samples.py checks the two agree.
+_decode_op = torch.ops.image.decode_image.default
 
 
 @dataclass
@@ -126,7 +132,7 @@ def _decode(member: Member, kind: str, options: TransformOptions, shard: str, ke
         if mask is not None:
             return mask
     try:
-        tensor = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        tensor = _decode_op(torch.frombuffer(bytearray(data), dtype=torch.uint8), ImageReadMode.RGB.value, False)
     except Exception:
         tensor = _decode_with_pil(data, shard, key, name)  # formats libjpeg/libpng refuse but PIL reads
     if tensor.dtype == torch.uint16:  # 16-bit PNG: keep the fast uint8 paths; 8 bits carry the signal
