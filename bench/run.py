@@ -138,8 +138,9 @@ def run(args: argparse.Namespace, budget: Budget, logs: Path) -> dict:
         results["decoders"] = compute.decode_options(samples, images=10 if args.smoke else 100,
                                                      repeats=1 if args.smoke else 3)
 
-    # ws gets server instances of its own: one message per shard means the whole output in memory, and
-    # the heap it leaves behind would otherwise inflate the peak RSS of every HTTP case measured after it.
+    # ws gets server instances of its own: the peer holds each one-message reply whole in memory (this
+    # service did too before it sent replies frame by frame), and the heap that leaves behind would
+    # otherwise inflate the peak RSS of every HTTP case measured after it.
     servers: dict[str, services.Server] = {"service": services.start_service(logs, args.work, args.workers)}
     if "ws" not in args.skip:
         servers["service-ws"] = services.start_service(logs, args.work, args.workers, name="service-ws")
