@@ -87,10 +87,10 @@ def transform_sample(sample: Sample, options: TransformOptions, shard: str, obje
             continue
         inputs.append(_decode(member, kind, options, shard, sample.key))
         positions.append(position)
-    if len(inputs) == 1 and type(inputs[0]) is tv_tensors.Image:
-        # A lone image goes through v2 as a plain tensor, which v2 transforms as the image: its
-        # kernels are then called directly instead of through the tv_tensor unwrap/rewrap wrapper.
-        inputs[0] = inputs[0].as_subclass(torch.Tensor)
+    if len(inputs) > 1:
+        # Images decode as plain tensors: alone, v2 transforms a plain tensor as the image and calls its
+        # kernels directly; beside other images or masks each needs its tv_tensor type to be told apart.
+        inputs = [tv_tensors.Image(x) if type(x) is torch.Tensor else x for x in inputs]
 
     seed = sample_seed(options.seed, options.epoch, object_name, sample.key)
     try:
@@ -137,7 +137,7 @@ def _decode(member: Member, kind: str, options: TransformOptions, shard: str, ke
         tensor = _decode_with_pil(data, shard, key, name)  # formats libjpeg/libpng refuse but PIL reads
     if tensor.dtype == torch.uint16:  # 16-bit PNG: keep the fast uint8 paths; 8 bits carry the signal
         tensor = to_dtype(tensor, torch.uint8, scale=True)  # torch implements no uint16 shift on CPU
-    return tv_tensors.Image(tensor)
+    return tensor  # a plain tensor: transform_sample types it when the sample has several inputs
 
 
 def _jpeg_size(data: bytes) -> tuple[int, int] | None:
