@@ -151,6 +151,13 @@ class _CountingReader:
         self._bar.update(len(data))
         return data
 
+    def readinto(self, buffer) -> int:
+        from .shards import readinto
+
+        count = readinto(self._stream, buffer)
+        self._bar.update(count)
+        return count
+
 
 def _make_shards(args: argparse.Namespace) -> int:
     from .demo import make_shards

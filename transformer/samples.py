@@ -121,7 +121,9 @@ def transform_sample(sample: Sample, options: TransformOptions, shard: str, obje
 
 def _decode(member: Member, kind: str, options: TransformOptions, shard: str, key: str):
     name = member.info.name
-    data = member.data
+    pieces = member.pieces
+    # A large member arrives in its own bytearray (shards._Chunks): the decoder reads it in place.
+    data = pieces[0] if len(pieces) == 1 and type(pieces[0]) is bytearray else bytearray(member.data)
     if not data:
         raise SampleError(shard, key, name, "empty image member (0 bytes)")
     size = _jpeg_size(data) if kind == "image" else None
@@ -132,7 +134,7 @@ def _decode(member: Member, kind: str, options: TransformOptions, shard: str, ke
         if mask is not None:
             return mask
     try:
-        tensor = _decode_op(torch.frombuffer(bytearray(data), dtype=torch.uint8), ImageReadMode.RGB.value, False)
+        tensor = _decode_op(torch.frombuffer(data, dtype=torch.uint8), ImageReadMode.RGB.value, False)
     except Exception:
         tensor = _decode_with_pil(data, shard, key, name)  # formats libjpeg/libpng refuse but PIL reads
     if tensor.dtype == torch.uint16:  # 16-bit PNG: keep the fast uint8 paths; 8 bits carry the signal

@@ -21,6 +21,7 @@ from __future__ import annotations
 import bz2
 import gzip
 import lzma
+import re
 import struct
 import tarfile
 import zlib
@@ -62,8 +63,7 @@ def read_samples(stream: BinaryIO, shard: str, max_member_bytes: int) -> Iterato
                     "(ETL_MAX_MEMBER_BYTES)",
                 )
             try:
-                data = chunks.read(info.size)
-                chunks.skip(-info.size % BLOCK)  # padding: a cut here shows at the next header
+                data = chunks.read_padded(info.size)
             except Cancelled:
                 raise
             except _TAR_ERRORS as exc:
@@ -140,37 +140,67 @@ class _Prefixed:
         data, self._head = self._head[:size], self._head[size:]
         return data
 
+    def readinto(self, buffer) -> int:
+        if not self._head:
+            return readinto(self._stream, buffer)
+        count = min(len(buffer), len(self._head))
+        buffer[:count], self._head = self._head[:count], self._head[count:]
+        return count
+
+
+def readinto(stream: BinaryIO, buffer) -> int:
+    """``stream.readinto(buffer)``; through ``read`` and a copy for a stream without ``readinto``.
+
+    The readers that wrap a stream (byte counting, progress, the sniffed head) pass ``readinto``
+    through, so a large member is copied once, from the file's or the body's buffer into its own.
+    """
+    method = getattr(stream, "readinto", None)
+    if method is not None:
+        return method(buffer) or 0
+    data = stream.read(len(buffer))
+    buffer[:len(data)] = data
+    return len(data)
+
 
 class _Chunks:
-    """Sequential reads from a stream fetched in large chunks.
+    """Sequential reads from a stream fetched in chunks.
 
     tarfile's stream mode reads 10 KB at a time through three Python layers and copies each member
-    twice on the way out; this reads 64 KB per call and slices (``bench.run``'s engine row measures it;
+    twice on the way out; this slices headers and small members out of one chunk, and reads a large
+    member (an image) with one ``readinto`` straight into its own ``bytearray``: one copy, and a
+    writable buffer the decoder takes as is (``bench.run``'s engine row measures it;
     tests/test_shards.py checks the result against tarfile on the same archives).
     """
 
-    __slots__ = ("_stream", "_chunk", "_pos", "_base", "recorded")
-    SIZE = 1 << 16  # 64 KB: as fast as 256 KB here, and below glibc's mmap threshold (less heap retained)
+    __slots__ = ("_stream", "_readinto", "_chunk", "_pos", "_base", "_size", "recorded")
+    # 64 KB per read where every byte is copied out of the chunk again; 16 KB where large members are
+    # read into their own buffers (a chunk then holds headers and small members, and a little of the
+    # next image that is copied twice). Both below glibc's mmap threshold (less heap retained).
+    SIZE, SIZE_WITH_READINTO = 1 << 16, 1 << 14
 
     def __init__(self, stream: BinaryIO):
         self._stream, self._chunk, self._pos, self._base = stream, b"", 0, 0
+        self._readinto = getattr(stream, "readinto", None)
+        self._size = self.SIZE if self._readinto is None else self.SIZE_WITH_READINTO
         self.recorded: list[bytes] | None = None  # header blocks, kept while a header is parsed
 
     def tell(self) -> int:
         return self._base + self._pos
 
-    def read(self, size: int) -> bytes:
-        """``size`` bytes, or fewer at the end of the stream."""
+    def read(self, size: int) -> bytes | bytearray:
+        """``size`` bytes, or fewer at the end of the stream (a ``bytearray`` when read into one)."""
         chunk, pos = self._chunk, self._pos
         if pos + size <= len(chunk):
             self._pos = pos + size
             data = chunk[pos:pos + size]
+        elif size > self._size and self._readinto is not None and self.recorded is None:
+            return self._read_into(size)
         else:
             parts = [chunk[pos:]] if pos < len(chunk) else []
             missing = size - (len(chunk) - pos)
             while missing > 0:
                 self._base += len(self._chunk)
-                self._chunk, self._pos = self._stream.read(max(missing, self.SIZE)) or b"", 0
+                self._chunk, self._pos = self._stream.read(max(missing, self._size)) or b"", 0
                 if not self._chunk:
                     break
                 take = min(missing, len(self._chunk))
@@ -179,6 +209,35 @@ class _Chunks:
             data = b"".join(parts)
         if self.recorded is not None:
             self.recorded.append(data)
+        return data
+
+    def _read_into(self, size: int) -> bytearray:
+        chunk, pos = self._chunk, self._pos
+        buffer = bytearray(size)
+        view = memoryview(buffer)
+        filled = len(chunk) - pos
+        view[:filled] = memoryview(chunk)[pos:]
+        while filled < size:
+            count = self._readinto(view[filled:])
+            if not count:
+                break
+            filled += count
+        view.release()
+        self._base += pos + filled
+        self._chunk, self._pos = b"", 0
+        if filled < size:
+            del buffer[filled:]  # the stream ended: the caller sees the short read
+        return buffer
+
+    def read_padded(self, size: int) -> bytes | bytearray:
+        """A member's ``size`` bytes; its zero padding to the block size is skipped (a cut there shows
+        at the next header)."""
+        end = self._pos + size + (-size % BLOCK)
+        if end <= len(self._chunk):
+            data, self._pos = self._chunk[self._pos:self._pos + size], end
+            return data
+        data = self.read(size)
+        self.skip(-size % BLOCK)
         return data
 
     def skip(self, size: int) -> None:
@@ -222,36 +281,62 @@ class _Headers:
 # The fields of a POSIX ustar header block, in order (the last 12 bytes are padding).
 _USTAR = struct.Struct("100s8s8s8s12s12s8s1s100s8s32s32s8s8s155s")
 _USTAR_MAGIC = tarfile.POSIX_MAGIC  # b"ustar\x0000"
+# mode, uid, gid, size, mtime, checksum and the type of a regular file (bytes 100-156), as octal
+# numbers the way Python's tarfile, Go's archive/tar and libarchive write them: digits (or leading
+# spaces) and a NUL or space terminator. Anything else is left to tarfile.
+_PLAIN_NUMBERS = re.compile(
+    rb"([ 0-7]{7})[\0 ]([ 0-7]{7})[\0 ]([ 0-7]{7})[\0 ]([ 0-7]{11})[\0 ]([ 0-7]{11})[\0 ]([ 0-7]{6})[\0 ][\0 ]0"
+)
+_PLAIN_DEVICES = re.compile(rb"([ 0-7]{7})[\0 ]([ 0-7]{7})[\0 ]")
+_NO_DEVICES = (b"0000000\0" * 2, b"\0" * 16)  # what tarfile and Go write for a regular file, or nothing
+_OCTAL = (8,) * 6
 
 
 def _plain_file(block: bytes, offset: int) -> tarfile.TarInfo | None:
     """A POSIX ustar header of a regular file, the kind every shard writer emits, read in one step.
 
     ``TarInfo.fromtarfile`` takes about 13 us per header through a dozen Python calls, a third of the
-    driver thread's CPU per sample; this takes 4 us. Anything else (GNU or pax headers, base-256
-    numbers, other member types, a bad checksum) returns None and goes to tarfile, and
-    tests/test_shards.py checks this against ``TarInfo.frombuf`` field by field.
+    driver thread's CPU per sample; this takes 2.5 us: one regular expression for the numbers, and the
+    checksum as two Adler-32 sums (each half block's byte sum is exact below Adler's modulus). Anything
+    else (GNU or pax headers, base-256 numbers, other member types, a bad or signed checksum) returns
+    None and goes to tarfile, and tests/test_shards.py checks this against ``TarInfo.frombuf`` field by
+    field.
     """
-    if len(block) != BLOCK or block[156:157] != tarfile.REGTYPE or block[257:265] != _USTAR_MAGIC:
+    numbers = _PLAIN_NUMBERS.match(block, 100)
+    if numbers is None or len(block) != BLOCK or block[257:265] != _USTAR_MAGIC:
         return None
-    (name, mode, uid, gid, size, mtime, checksum, _, linkname, _, uname, gname, major, minor,
-     prefix) = _USTAR.unpack_from(block)
     try:
-        mode, uid, gid, size, mtime, checksum, major, minor = (
-            int(field.split(b"\0", 1)[0].strip() or b"0", 8)
-            for field in (mode, uid, gid, size, mtime, checksum, major, minor)
-        )
-    except ValueError:  # base-256 or garbage: tarfile decides
+        mode, uid, gid, size, mtime, checksum = map(int, numbers.groups(), _OCTAL)
+        if block[329:345] in _NO_DEVICES:
+            major = minor = 0
+        else:
+            devices = _PLAIN_DEVICES.match(block, 329)
+            if devices is None:
+                return None
+            major, minor = map(int, devices.groups(), _OCTAL)
+    except ValueError:  # a field of spaces only: tarfile decides
         return None
-    if checksum != 256 + sum(block) - sum(block[148:156]):
+    byte_sum = (zlib.adler32(block[:256]) & 0xFFFF) + (zlib.adler32(block[256:]) & 0xFFFF) - 2
+    if checksum != byte_sum - sum(block[148:156]) + 256:
         return None  # tarfile also accepts the signed sum some old writers used, or refuses
-    text = [f.split(b"\0", 1)[0].decode("utf-8", "surrogateescape") for f in (name, linkname, uname, gname, prefix)]
-    info = tarfile.TarInfo(f"{text[4]}/{text[0]}" if text[4] else text[0])
+    name = _text(block, 0, 100)
+    if block[345]:
+        name = f"{_text(block, 345, 500)}/{name}"
+    info = tarfile.TarInfo(name)
     info.mode, info.uid, info.gid, info.size, info.mtime, info.chksum = mode, uid, gid, size, mtime, checksum
-    info.type, info.linkname, info.uname, info.gname = tarfile.REGTYPE, text[1], text[2], text[3]
+    info.type, info.linkname = tarfile.REGTYPE, _text(block, 157, 257)
+    info.uname, info.gname = _text(block, 265, 297), _text(block, 297, 329)
     info.devmajor, info.devminor = major, minor
     info.offset, info.offset_data = offset, offset + BLOCK
     return info
+
+
+def _text(block: bytes, start: int, end: int) -> str:
+    """A NUL-terminated header field, decoded as tarfile does for this service (utf-8, surrogateescape)."""
+    if not block[start]:
+        return ""
+    stop = block.find(b"\0", start, end)
+    return block[start:end if stop < 0 else stop].decode("utf-8", "surrogateescape")
 
 
 _USTAR_BLOCK = struct.Struct(_USTAR.format + "12x")
@@ -294,11 +379,12 @@ def _members(headers: _Headers, shard: str) -> Iterator[tuple[tarfile.TarInfo, b
     chunks = headers.chunks
     while True:
         offset = chunks.tell()
-        chunks.recorded = []
         try:
             block = chunks.read(BLOCK)
             info = _plain_file(block, offset) if not headers.pax_headers else None
+            raw = [block]
             if info is None:
+                chunks.recorded = raw  # the blocks tarfile reads after this one, for the raw header
                 headers.pending = block
                 info = tarfile.TarInfo.fromtarfile(headers)
         except Cancelled:
@@ -313,9 +399,9 @@ def _members(headers: _Headers, shard: str) -> Iterator[tuple[tarfile.TarInfo, b
                 raise ShardError(shard, f"not a tar archive ({reason})") from None
             raise ShardError(shard, f"corrupt or truncated tar ({reason} at offset {offset})") from None
         finally:
-            raw, chunks.recorded = chunks.recorded, None
+            chunks.recorded = None
         # Global pax headers change how later headers read: those members are written afresh.
-        yield info, (b"".join(raw) if not headers.pax_headers else None)
+        yield info, ((block if len(raw) == 1 else b"".join(raw)) if not headers.pax_headers else None)
 
 
 def _reason(exc: BaseException) -> str:
@@ -331,7 +417,8 @@ def member_bytes(member: Member) -> Iterable[bytes | memoryview]:
     else:
         yield _ustar_header(info) or info.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8",
                                                 errors="surrogateescape")
-    yield from member.pieces
+    for piece in member.pieces:  # a member read into its own buffer goes out as a view (bytes-like, fixed)
+        yield memoryview(piece) if type(piece) is bytearray else piece
     remainder = info.size % BLOCK
     if remainder:
         yield b"\0" * (BLOCK - remainder)

@@ -27,6 +27,7 @@ from ..config import Settings
 from ..engine import ShardReport, TransformPool, transform_shard
 from ..errors import Cancelled, RequestError, TransformerError, UpstreamError
 from ..options import TransformOptions
+from ..shards import readinto
 from .direct import DirectSender
 from .duplex import duplex_put
 from .hops import (
@@ -264,6 +265,19 @@ class _IteratorReader:
         self.bytes_read += len(data)
         return data
 
+    def readinto(self, buffer) -> int:
+        """Up to ``len(buffer)`` bytes from the current chunk (the next one when it is used up)."""
+        while not self._buffer:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                return 0
+            self._buffer = memoryview(chunk)
+        count = min(len(buffer), len(self._buffer))
+        buffer[:count] = self._buffer[:count]
+        self._buffer = self._buffer[count:]
+        self.bytes_read += count
+        return count
+
     def close(self) -> None:
         pass
 
@@ -287,6 +301,13 @@ class _Counting:
         if self.count > self.limit:
             raise shard_too_large(self.shard, self.count, self.limit)
         return data
+
+    def readinto(self, buffer) -> int:
+        count = readinto(self._stream, buffer)
+        self.count += count
+        if self.count > self.limit:
+            raise shard_too_large(self.shard, self.count, self.limit)
+        return count
 
 
 def shard_too_large(shard: str, size: int, limit: int) -> RequestError:
