@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import socket
 from collections.abc import Callable
 
@@ -34,7 +35,8 @@ from ..errors import Cancelled
 
 EXTENSION = "transformer.direct_send"
 STALL_SECONDS = 0.2  # a frame not accepted by the socket for this long, with the body still arriving
-_POLL = 0.05  # socket timeout: how often a blocked send checks for cancellation and stalls
+_POLL = 0.05  # how often a blocked send checks for cancellation and stalls
+HOLD = 64 * 1024  # chunks smaller than this may wait for the next one (DirectSender.send)
 
 
 class DirectSendProtocol(HttpToolsProtocol):
@@ -74,19 +76,46 @@ class DirectSender:
             raise OSError("the connection has no open socket")
         # A duplicate descriptor: uvloop may close its own when the peer goes away while we write.
         self._sock = socket.socket(fileno=os.dup(raw.fileno()))
-        self._sock.settimeout(_POLL)  # keeps the descriptor non-blocking, as the event loop needs it
+        # Non-blocking, as the event loop needs it; a full socket is waited for with poll(), and only
+        # then (a socket with a timeout polls before every send: a system call per frame for nothing).
+        self._sock.setblocking(False)
+        self._writable = select.poll()
+        self._writable.register(self._sock.fileno(), select.POLLOUT)
+        # Small chunks (tar headers, labels, padding: what the engine gathers between two arrays) wait
+        # here and go out in one frame, and one sendmsg, with the next array: one system call per
+        # sample instead of two.
+        self._held: list[bytes | memoryview] = []
+        self._held_bytes = 0
 
     def send(self, chunk: bytes | memoryview, cancel: Callable[[], None], stalled: Callable[[], bool]) -> bool:
         """Write one frame. False: the socket stalled and the rest went to the transport (use ASGI now).
 
         ``cancel`` raises if the job must stop; ``stalled`` says whether waiting longer could deadlock.
+        A chunk under ``HOLD`` bytes may be held and written with the next one (``flush`` writes it).
         """
-        parts: list[bytes | memoryview] = [b"%x\r\n" % len(chunk), chunk, b"\r\n"]
+        if not chunk:
+            return True  # an empty frame would end the body
+        if self._held_bytes + len(chunk) < HOLD:
+            self._held.append(chunk)
+            self._held_bytes += len(chunk)
+            return True
+        return self._write(chunk, cancel, stalled)
+
+    def flush(self, cancel: Callable[[], None], stalled: Callable[[], bool]) -> bool:
+        """Write what ``send`` held back (the end of a body); False as for ``send``."""
+        return self._write(b"", cancel, stalled) if self._held_bytes else True
+
+    def _write(self, chunk: bytes | memoryview, cancel: Callable[[], None], stalled: Callable[[], bool]) -> bool:
+        held, self._held, size = self._held, [], self._held_bytes + len(chunk)
+        self._held_bytes = 0
+        parts: list[bytes | memoryview] = [b"%x\r\n" % size, *held, chunk, b"\r\n"]
         waited = 0.0
         while parts:
             try:
                 sent = self._sock.sendmsg(parts)
-            except TimeoutError:
+            except BlockingIOError:
+                if self._writable.poll(_POLL * 1000):
+                    continue  # writable again (or failed: the next sendmsg says how)
                 cancel()
                 waited += _POLL
                 if waited >= STALL_SECONDS and stalled():

@@ -434,13 +434,8 @@ class ShardJob:
         """One output chunk to the caller: written here (direct send) or handed to the event loop."""
         direct = self.direct
         if direct is not None:
-            if direct.send(chunk, self._check_cancel, lambda: not self._body_complete()):
-                return
-            # The caller stopped reading while it still sends (half-duplex): the frame's rest went to
-            # the transport; from here on the event loop sends, spilling to disk while it must.
-            log.info("shard %s: caller is not reading yet; leaving direct send", self.shard)
-            self.send_path = "direct_then_loop"
-            self._close_direct()
+            if not direct.send(chunk, self._check_cancel, lambda: not self._body_complete()):
+                self._leave_direct()
             return
         self._emit_chunk(chunk)
         if self.handoff is not None and not self._handed_off:  # first chunk: wait for go_direct()
@@ -455,6 +450,20 @@ class ShardJob:
         if time.monotonic() > self.deadline:  # a caller that stopped reading must not pin the window
             raise TransformerError(f"shard '{self.shard}': object timeout exceeded while the caller was not "
                                    f"reading the output ({self.report.samples_out} samples sent)")
+
+    def _end_body(self) -> None:
+        """The whole body was sent: what direct send holds goes out, then the event loop ends the body."""
+        direct = self.direct
+        if direct is not None and not direct.flush(self._check_cancel, lambda: not self._body_complete()):
+            self._leave_direct()
+        self._emit(None)
+
+    def _leave_direct(self) -> None:
+        # The caller stopped reading while it still sends (half-duplex): the frame's rest went to the
+        # transport; from here on the event loop sends, spilling to disk while it must.
+        log.info("shard %s: caller is not reading yet; leaving direct send", self.shard)
+        self.send_path = "direct_then_loop"
+        self._close_direct()
 
     def _close_direct(self) -> None:
         with self._direct_lock:
@@ -513,7 +522,7 @@ class ShardJob:
             if self.hop is None:
                 for chunk in self._output():
                     self._send(chunk)
-                self._emit(None)
+                self._end_body()
             elif isinstance(self.hop, DirectPutTarget):
                 self._emit(self._direct_put(self.hop))
             else:
@@ -562,7 +571,7 @@ class ShardJob:
             if response.status_code == 200:
                 for chunk in response.iter_bytes():
                     self._send(chunk)
-                self._emit(None)
+                self._end_body()
             elif response.status_code == 204:
                 length = response.headers.get(HEADER_DIRECT_PUT_LENGTH)
                 self._emit(Final(204, b"", {HEADER_DIRECT_PUT_LENGTH: length} if length else None))
