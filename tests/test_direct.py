@@ -86,6 +86,30 @@ def test_a_samples_small_pieces_and_its_array_go_out_as_one_frame() -> None:
     assert sizes == [640 + 602_112, 1536 + 640 + 602_112, 1536 + 3]
 
 
+def test_many_tiny_chunks_never_exceed_what_one_sendmsg_takes() -> None:
+    # A next stage answering in tiny HTTP chunks (ShardJob._to_stage re-sends them): sendmsg refuses more
+    # than IOV_MAX (1024) buffers, which must never surface as "caller went away".
+    chunks = [bytes([i % 251]) * 32 for i in range(1100)] + [os.urandom(70_000)]
+    body, sizes = send_all(chunks)
+    assert body == b"".join(chunks)
+    assert len(sizes) > 1
+
+
+def test_held_chunks_are_part_of_a_stalled_frame_handed_to_the_transport() -> None:
+    ours, peer = socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    transport = FakeTransport(ours)
+    sender = direct.DirectSender(ImmediateLoop(), transport)
+    small, chunk = os.urandom(2000), os.urandom(4 << 20)
+    assert sender.send(small, never, lambda: True)  # held
+    assert sender.send(chunk, never, lambda: True) is False
+    sender.close()
+    ours.shutdown(socket.SHUT_WR)
+    received = bytearray()
+    read_all(peer, received)
+    assert bytes(received) + bytes(transport.written) == framed([small + chunk])
+
+
 def test_a_stalled_frame_goes_to_the_transport_when_waiting_could_deadlock() -> None:
     ours, peer = socket.socketpair()
     ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)

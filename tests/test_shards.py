@@ -424,6 +424,32 @@ def test_large_members_read_alike_through_every_kind_of_stream(stream: str) -> N
         list(read_samples(_ShortReadinto(cut, 1000), "s.tar", LIMIT))
 
 
+def test_a_header_alone_does_not_allocate_its_member() -> None:
+    # A header claiming 200 MB and then 1 KB of data: the reader's memory follows the bytes that
+    # arrive, not the size a header claims (ETL_MAX_MEMBER_BYTES is 256 MiB by default).
+    import tracemalloc
+
+    info = tarfile.TarInfo("k.bin")
+    info.size = 200 << 20
+    data = info.tobuf(format=tarfile.USTAR_FORMAT) + b"x" * 1024
+    tracemalloc.start()
+    try:
+        with pytest.raises(ShardError, match="truncated inside member 'k.bin'"):
+            list(read_samples(_ShortReadinto(data, 1 << 20), "s.tar", LIMIT))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"peak {peak >> 20} MiB for 1 KB of data"
+
+
+def test_a_member_larger_than_the_first_buffer_grows_and_reads_exactly() -> None:
+    payload = random.Random(2).randbytes(3 * (1 << 20) + 123)  # past two doublings of the 1 MiB start
+    data = tar_of([file_info("k.bin", payload), file_info("k.cls", b"7")])
+    for stream in (io.BytesIO(data), _ShortReadinto(data, 100_000)):
+        (sample,) = read_samples(stream, "s.tar", LIMIT)
+        assert [m.data for m in sample.members] == [payload, b"7"]
+
+
 def test_the_plain_header_fast_path_agrees_with_tarfile_field_by_field() -> None:
     from transformer.shards import _plain_file
 

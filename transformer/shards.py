@@ -167,21 +167,18 @@ class _Chunks:
 
     tarfile's stream mode reads 10 KB at a time through three Python layers and copies each member
     twice on the way out; this slices headers and small members out of one chunk, and reads a large
-    member (an image) with one ``readinto`` straight into its own ``bytearray``: one copy, and a
-    writable buffer the decoder takes as is (``bench.run``'s engine row measures it;
-    tests/test_shards.py checks the result against tarfile on the same archives).
+    member (an image) with ``readinto`` straight into its own ``bytearray``: one copy, and a writable
+    buffer the decoder takes as is (``bench.run``'s engine row measures it; tests/test_shards.py checks
+    the result against tarfile on the same archives).
     """
 
-    __slots__ = ("_stream", "_readinto", "_chunk", "_pos", "_base", "_size", "recorded")
-    # 64 KB per read where every byte is copied out of the chunk again; 16 KB where large members are
-    # read into their own buffers (a chunk then holds headers and small members, and a little of the
-    # next image that is copied twice). Both below glibc's mmap threshold (less heap retained).
-    SIZE, SIZE_WITH_READINTO = 1 << 16, 1 << 14
+    __slots__ = ("_stream", "_readinto", "_chunk", "_pos", "_base", "recorded")
+    SIZE = 1 << 14  # 16 KB per read: headers and small members; below glibc's mmap threshold
+    GROW = 1 << 20  # a large member's buffer grows as its bytes arrive, never ahead of them by more
 
     def __init__(self, stream: BinaryIO):
         self._stream, self._chunk, self._pos, self._base = stream, b"", 0, 0
         self._readinto = getattr(stream, "readinto", None)
-        self._size = self.SIZE if self._readinto is None else self.SIZE_WITH_READINTO
         self.recorded: list[bytes] | None = None  # header blocks, kept while a header is parsed
 
     def tell(self) -> int:
@@ -193,14 +190,14 @@ class _Chunks:
         if pos + size <= len(chunk):
             self._pos = pos + size
             data = chunk[pos:pos + size]
-        elif size > self._size and self._readinto is not None and self.recorded is None:
+        elif size > self.SIZE and self._readinto is not None and self.recorded is None:
             return self._read_into(size)
         else:
             parts = [chunk[pos:]] if pos < len(chunk) else []
             missing = size - (len(chunk) - pos)
             while missing > 0:
                 self._base += len(self._chunk)
-                self._chunk, self._pos = self._stream.read(max(missing, self._size)) or b"", 0
+                self._chunk, self._pos = self._stream.read(max(missing, self.SIZE)) or b"", 0
                 if not self._chunk:
                     break
                 take = min(missing, len(self._chunk))
@@ -213,19 +210,22 @@ class _Chunks:
 
     def _read_into(self, size: int) -> bytearray:
         chunk, pos = self._chunk, self._pos
-        buffer = bytearray(size)
-        view = memoryview(buffer)
         filled = len(chunk) - pos
-        view[:filled] = memoryview(chunk)[pos:]
+        # Not bytearray(size) at once: a header alone could then make the pod allocate (and zero) up
+        # to ETL_MAX_MEMBER_BYTES for bytes that never come. Images fit the first allocation.
+        buffer = bytearray(min(size, max(self.GROW, filled)))
+        buffer[:filled] = memoryview(chunk)[pos:]
         while filled < size:
-            count = self._readinto(view[filled:])
+            if filled == len(buffer):
+                buffer.extend(bytes(min(size, 2 * filled) - filled))
+            with memoryview(buffer) as view, view[filled:] as free:
+                count = self._readinto(free)
             if not count:
                 break
             filled += count
-        view.release()
         self._base += pos + filled
         self._chunk, self._pos = b"", 0
-        if filled < size:
+        if filled < len(buffer):
             del buffer[filled:]  # the stream ended: the caller sees the short read
         return buffer
 

@@ -37,6 +37,7 @@ EXTENSION = "transformer.direct_send"
 STALL_SECONDS = 0.2  # a frame not accepted by the socket for this long, with the body still arriving
 _POLL = 0.05  # how often a blocked send checks for cancellation and stalls
 HOLD = 64 * 1024  # chunks smaller than this may wait for the next one (DirectSender.send)
+_HOLD_COUNT = 64  # and at most this many (sendmsg takes at most IOV_MAX = 1024 buffers)
 
 
 class DirectSendProtocol(HttpToolsProtocol):
@@ -95,7 +96,7 @@ class DirectSender:
         """
         if not chunk:
             return True  # an empty frame would end the body
-        if self._held_bytes + len(chunk) < HOLD:
+        if self._held_bytes + len(chunk) < HOLD and len(self._held) < _HOLD_COUNT:
             self._held.append(chunk)
             self._held_bytes += len(chunk)
             return True
@@ -114,9 +115,10 @@ class DirectSender:
             try:
                 sent = self._sock.sendmsg(parts)
             except BlockingIOError:
-                if self._writable.poll(_POLL * 1000):
-                    continue  # writable again (or failed: the next sendmsg says how)
-                cancel()
+                writable = self._writable.poll(_POLL * 1000)
+                cancel()  # also when poll() says writable and the socket still refuses: never spin unchecked
+                if writable:
+                    continue  # (or failed: the next sendmsg says how)
                 waited += _POLL
                 if waited >= STALL_SECONDS and stalled():
                     rest = b"".join(parts)
