@@ -72,6 +72,17 @@ def _metrics(client: httpx.Client) -> dict[tuple[str, frozenset], float]:
     return values
 
 
+def _settled(client: httpx.Client) -> dict[tuple[str, frozenset], float]:
+    """Metrics once no shard is in flight: a job of an earlier test may still be recording its counts
+    just after its caller read the last byte (a shard is counted before it leaves the in-flight gauge)."""
+    deadline = time.monotonic() + 10
+    while True:
+        values = _metrics(client)
+        if _value(values, "etl_inflight_shards") == 0 or time.monotonic() > deadline:
+            return values
+        time.sleep(0.05)
+
+
 def _value(values: dict, name: str, **labels: str) -> float:
     return values.get((name, frozenset(labels.items())), 0.0)
 
@@ -87,7 +98,7 @@ def _wait_for_change(client: httpx.Client, before: dict, name: str, **labels: st
 
 
 def test_metrics_count_a_transformed_shard(client: httpx.Client) -> None:
-    before = _metrics(client)
+    before = _settled(client)
     names = {name for name, _ in before}
     # Labelled counters appear with their first label values; the others are always exported.
     for name in ("etl_bytes_in_total", "etl_bytes_out_total", "etl_shard_seconds_count",
@@ -114,7 +125,7 @@ def test_metrics_count_a_transformed_shard(client: httpx.Client) -> None:
 def test_metrics_count_skipped_samples_and_failed_shards(client: httpx.Client) -> None:
     members = imagenet_like_members(3, extra=False)
     members[2] = (members[2][0], members[2][1][:100])
-    before = _metrics(client)
+    before = _settled(client)
     assert client.put("/metrics/skip.tar", content=make_tar(members)).status_code == 200
     assert client.put("/metrics/garbage.tar", content=b"not a tar at all" * 64).status_code == 422
     after = _wait_for_change(client, before, "etl_samples_total", outcome="skipped")
@@ -129,7 +140,7 @@ def test_metrics_label_each_comm_type(client: httpx.Client, service: Service, ta
                                       disk: AisDisk) -> None:
     target.objects[uname("src", "m-pull.tar")] = image_shard(1)
     fqn = disk.put("src", "m-ws.tar", image_shard(1))
-    before = _metrics(client)
+    before = _settled(client)
     assert client.get(f"/{escaped_uname('src', 'm-pull.tar')}").status_code == 200
     with connect(f"ws://127.0.0.1:{service.port}/ws", max_size=None, open_timeout=10) as ws:
         ws.send(b'{"path": "m-ws.tar", "fqn": "%s"}' % go_path_escape(fqn).encode())

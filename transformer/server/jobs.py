@@ -544,8 +544,8 @@ class ShardJob:
             self._close_direct()
             if self.report.first_byte is not None and not isinstance(self.hop, DirectPutTarget):
                 metrics.send_path.labels(self.send_path).inc()
-            metrics.inflight.dec()
             metrics.record(self.report, self.comm, outcome, self.bytes_in)
+            metrics.inflight.dec()  # last: no shard in flight means every finished one is counted
 
     def _direct_put(self, hop: DirectPutTarget) -> Final:
         try:
