@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import queue
 import random
 import tarfile
 import threading
@@ -252,22 +253,22 @@ def test_max_inflight_bounds_two_concurrent_shards(monkeypatch: pytest.MonkeyPat
     pool = TransformPool(workers=2, max_inflight=3)
     outstanding = {"now": 0, "max": 0}
     lock = threading.Lock()
-    real_submit = pool._executor.submit
 
-    def counting_submit(fn, *args):
-        with lock:
-            outstanding["now"] += 1
-            outstanding["max"] = max(outstanding["max"], outstanding["now"])
-        future = real_submit(fn, *args)
+    class CountingTask(engine.Task):  # submitted and not yet finished: what holds a slot
+        __slots__ = ()
 
-        def done(_):
+        def __init__(self, fn, args):
+            with lock:
+                outstanding["now"] += 1
+                outstanding["max"] = max(outstanding["max"], outstanding["now"])
+            super().__init__(fn, args)
+
+        def run(self) -> None:
+            super().run()
             with lock:
                 outstanding["now"] -= 1
 
-        future.add_done_callback(done)
-        return future
-
-    monkeypatch.setattr(pool._executor, "submit", counting_submit)
+    monkeypatch.setattr(engine, "Task", CountingTask)
     shards = {name: make_tar([(f"{name}-{i}.jpg", jpeg_bytes(i, SMALL)) for i in range(8)]) for name in "ab"}
     outputs: dict[str, bytes] = {}
     errors: list[BaseException] = []
@@ -299,10 +300,13 @@ def all_slots_free(pool: TransformPool, slots: int, within: float = 3.0) -> bool
     taken = 0
     deadline = time.monotonic() + within
     while taken < slots and time.monotonic() < deadline:
-        if pool._slots.acquire(timeout=0.05):
+        try:
+            pool._slots.get(timeout=0.05)
             taken += 1
+        except queue.Empty:
+            pass
     for _ in range(taken):
-        pool._slots.release()
+        pool._slots.put(None)
     return taken == slots
 
 
@@ -335,7 +339,7 @@ def test_cancel_while_waiting_for_a_slot(make_options: MakeOptions) -> None:
     pool = TransformPool(workers=1, max_inflight=2)
     try:
         for _ in range(2):  # another shard holds every slot
-            assert pool._slots.acquire(timeout=1)
+            pool._slots.get(timeout=1)
         cancel = threading.Event()
         outcome: list[BaseException] = []
 
@@ -354,7 +358,7 @@ def test_cancel_while_waiting_for_a_slot(make_options: MakeOptions) -> None:
         thread.join(timeout=2)
         assert not thread.is_alive() and isinstance(outcome[0], Cancelled)
         for _ in range(2):
-            pool._slots.release()
+            pool._slots.put(None)
         assert all_slots_free(pool, 2)
     finally:
         pool.shutdown()
@@ -391,3 +395,41 @@ def test_deadline_already_passed(pool: TransformPool, make_options: MakeOptions)
     with pytest.raises(TransformerError, match="timeout"):
         b"".join(transform_shard(io.BytesIO(make_tar(mixed_members(3))), make_options(), pool, shard="s",
                                  object_name="s", window=2, deadline=time.monotonic() - 1))
+
+
+def test_pool_tasks_behave_as_the_engine_expects_of_futures() -> None:
+    pool = TransformPool(workers=2, max_inflight=4)
+    try:
+        ok = pool.submit(sum, [1, 2, 3])
+        failed = pool.submit(int, "not a number")
+        assert ok.result() == 6 and ok.done()
+        with pytest.raises(ValueError, match="not a number"):
+            failed.result()
+        gate = threading.Event()
+        blockers = [pool.submit(gate.wait, 5) for _ in range(2)]  # both threads busy
+        skipped = pool.submit(sum, [1])
+        skipped.cancel()  # not started yet: never runs
+        assert not skipped.done()
+        gate.set()
+        assert all(b.result() for b in blockers)
+        with pytest.raises(engine.CancelledError):
+            skipped.result()
+        assert all_slots_free(pool, 4)  # every finished or skipped task gave its slot back
+    finally:
+        pool.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.submit(sum, [1])
+
+
+def test_pool_shutdown_skips_queued_tasks_and_stops_its_threads() -> None:
+    pool = TransformPool(workers=1, max_inflight=4)
+    gate = threading.Event()
+    running = pool.submit(gate.wait, 5)
+    queued = [pool.submit(sum, [i]) for i in range(3)]
+    threading.Timer(0.2, gate.set).start()
+    pool.shutdown()  # waits for the running task; the queued ones are skipped
+    assert running.result() is True
+    for task in queued:
+        with pytest.raises(engine.CancelledError):
+            task.result()
+    assert not any(t.is_alive() for t in pool._threads)
