@@ -201,17 +201,12 @@ def write_markdown(results: dict, path: Path) -> None:
             lines.append(f"| {preset} | compute limit | {_fmt(median([r['images_per_s'] for r in rows]))} | 100% | "
                          f"{_fmt(median([r['cpu_ms_per_image'] for r in rows]), 2)} | {_fmt(median(single), 2)} |")
         processes = [r for r in results.get("process_limit", []) if r["preset"] == preset]
-        if rows and processes:
-            limits = {r["round"]: r["images_per_s"] for r in rows}
-            fraction = median([p["images_per_s"] / limits[p["round"]] for p in processes if p["round"] in limits])
-            lines.append(f"| {preset} | the same in processes (no GIL) | "
-                         f"{_fmt(median([p['images_per_s'] for p in processes]))} | {_pct(fraction) or '–'} | "
-                         f"{_fmt(median([p['cpu_ms_per_image'] for p in processes]), 2)} | |")
-        if engine:
-            limits = {r["round"]: r["images_per_s"] for r in rows}
-            fraction = median([e["images_per_s"] / limits[e["round"]] for e in engine if e["round"] in limits])
-            lines.append(f"| {preset} | engine, no HTTP | {_fmt(median([e['images_per_s'] for e in engine]))} | "
-                         f"{_pct(fraction) or '–'} | {_fmt(median([e['cpu_ms_per_image'] for e in engine]), 2)} | |")
+        limits = {r["round"]: r["images_per_s"] for r in rows}
+        for label, stage in (("the same in processes (no GIL)", processes), ("engine, no HTTP", engine)):
+            if rows and stage:
+                fraction = median([s["images_per_s"] / limits[s["round"]] for s in stage if s["round"] in limits])
+                lines.append(f"| {preset} | {label} | {_fmt(median([s['images_per_s'] for s in stage]))} | "
+                             f"{_pct(fraction) or '–'} | {_fmt(median([s['cpu_ms_per_image'] for s in stage]), 2)} | |")
 
     lines += _cpu_budget(results, table)
 

@@ -297,13 +297,13 @@ class _Counting:
 
     def read(self, size: int = -1) -> bytes:
         data = self._stream.read(size)
-        self.count += len(data)
-        if self.count > self.limit:
-            raise shard_too_large(self.shard, self.count, self.limit)
+        self._counted(len(data))
         return data
 
     def readinto(self, buffer) -> int:
-        count = readinto(self._stream, buffer)
+        return self._counted(readinto(self._stream, buffer))
+
+    def _counted(self, count: int) -> int:
         self.count += count
         if self.count > self.limit:
             raise shard_too_large(self.shard, self.count, self.limit)
