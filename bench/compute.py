@@ -49,6 +49,42 @@ def compute_limit(samples: list[Sample], preset: str, dtype: str, workers: int, 
             "cpu_ms_per_image": cpu / images * 1e3}
 
 
+def http_limit(samples: list[Sample], preset: str, dtype: str, workers: int, settings: Settings) -> dict:
+    """``compute_limit``'s loop with each result's ``.npy`` sent to curl over loopback HTTP, in order.
+
+    The least a service adds to the compute limit to deliver its output: the main thread writes each
+    image's array (header and data, one chunked frame, ``sendmsg`` from the array's own buffer) to a
+    curl on the same cores, while the pool transforms. No tar in or out, no request, no event loop, no
+    window: what is left between this and the service is the shard engine and the server.
+    """
+    from bench.services import CurlSink
+
+    options = options_from_mapping({"preset": preset, "dtype": dtype, "seed": 0}, settings)
+    torch.set_num_threads(1)
+
+    def one(sample: Sample) -> list:
+        members = transform_sample(sample, options, "compute-limit", "compute-limit")
+        return [m.pieces for m in members if m.info.name.endswith(".npy")]
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(one, samples[: 2 * workers]))  # warm-up, as compute_limit
+        sink = CurlSink()
+        images = 0
+        cpu, start = time.process_time(), time.perf_counter()
+        try:
+            for arrays in pool.map(one, samples):
+                for pieces in arrays:
+                    sink.send(pieces)
+                    images += 1
+        except BaseException:
+            sink.abort()
+            raise
+        client = sink.close()
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return {"images": images, "seconds": seconds, "images_per_s": images / seconds,
+            "cpu_ms_per_image": cpu / images * 1e3, "client_cpu_ms_per_image": client / images * 1e3}
+
+
 def process_limit(samples: list[Sample], preset: str, dtype: str, workers: int, settings: Settings) -> dict:
     """Images/s of ``transform_sample`` in ``workers`` forked processes, each on its share of ``samples``.
 

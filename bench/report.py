@@ -190,7 +190,10 @@ def write_markdown(results: dict, path: Path) -> None:
               "over images, so it does not depend on how much of the machine other jobs took. The same in "
               "processes: `transform_sample` in as many forked processes as threads, each on its share of the "
               "samples: the same work without the GIL (not the service's design: it would need a copy of torch "
-              "per process and samples and arrays passed between processes).", "",
+              "per process and samples and arrays passed between processes). The same, each .npy sent to curl: "
+              "the compute limit's loop with each image's array written, in order, as one chunked HTTP frame to "
+              "curl over loopback on the same cores (`bench.compute.http_limit`: no tar, no request, no event "
+              "loop, no window), the most an HTTP service delivering these arrays can reach here.", "",
               "| preset | stage | images/s | of limit | CPU ms/image | one sample, 1 thread (ms) |",
               "|---|---|---|---|---|---|"]
     for preset in ("imagenet-train", "imagenet-val"):
@@ -202,7 +205,10 @@ def write_markdown(results: dict, path: Path) -> None:
                          f"{_fmt(median([r['cpu_ms_per_image'] for r in rows]), 2)} | {_fmt(median(single), 2)} |")
         processes = [r for r in results.get("process_limit", []) if r["preset"] == preset]
         limits = {r["round"]: r["images_per_s"] for r in rows}
-        for label, stage in (("the same in processes (no GIL)", processes), ("engine, no HTTP", engine)):
+        sent = [r for r in results.get("http_limit", []) if r["preset"] == preset]
+        for label, stage in (("the same in processes (no GIL)", processes),
+                             ("the same, each .npy sent to curl (no tar, no server)", sent),
+                             ("engine, no HTTP", engine)):
             if rows and stage:
                 fraction = median([s["images_per_s"] / limits[s["round"]] for s in stage if s["round"] in limits])
                 lines.append(f"| {preset} | {label} | {_fmt(median([s['images_per_s'] for s in stage]))} | "
@@ -313,6 +319,11 @@ def _cpu_budget(results: dict, table: list[dict]) -> list[str]:
     if compute is None:
         return []
     lines.append(f"| compute limit (decode, transforms, .npy) | {compute:.2f} | | 100% |")
+    sent = [r for r in results.get("http_limit", []) if r["preset"] == "imagenet-train"]
+    if sent:
+        both = median([r["cpu_ms_per_image"] + r["client_cpu_ms_per_image"] for r in sent])
+        lines.append(f"| the same, each .npy sent to curl (process + curl; no tar, no server) | {both:.2f} | "
+                     f"{both - compute:+.2f} | {_pct(compute / both)} |")
     if engine is not None:
         lines.append(f"| + tar in/out, ordered window (engine, no HTTP) | {engine:.2f} | {engine - compute:+.2f} | "
                      f"{_pct(compute / engine)} |")

@@ -115,7 +115,8 @@ def run(args: argparse.Namespace, budget: Budget, logs: Path) -> dict:
 
     settings = Settings.from_env({})  # defaults: the shell's ETL_* must not skew the compute limit
     results: dict = {"measurements": [], "skipped": [], "compute": [], "process_limit": [], "engine": [],
-                     "single_thread": [], "decoders": [], "memory": [], "client": [], "uint8": [], "http_floor": []}
+                     "single_thread": [], "decoders": [], "memory": [], "client": [], "uint8": [], "http_floor": [],
+                     "http_limit": []}
 
     log.info("shards: %d demo shards x %d samples; %d MB and %d MiB shards from their samples", args.shards,
              args.samples, args.small_mb, args.big_mib)
@@ -192,6 +193,10 @@ def measure_round(args, budget: Budget, results: dict, round_index: int, samples
         log.info("round %d, %s: the same in processes (no GIL)", round_index + 1, preset)
         processes = compute.process_limit(samples, preset, "float32", args.workers, settings)
         results["process_limit"].append({"round": round_index, "preset": preset, **processes})
+        if services.curl_available():
+            log.info("round %d, %s: the same, each .npy sent to curl (no tar, no server)", round_index + 1, preset)
+            sent = compute.http_limit(samples, preset, "float32", args.workers, settings)
+            results["http_limit"].append({"round": round_index, "preset": preset, **sent})
         log.info("round %d, %s: engine without HTTP", round_index + 1, preset)
         engine = compute.engine_limit(shards[0].path, preset, "float32", args.workers, settings)
         results["engine"].append({"round": round_index, "preset": preset, **engine})

@@ -289,45 +289,81 @@ def run_requests(call, shards: list[Path], concurrency: int) -> tuple[list[Resul
     return results, time.monotonic() - start
 
 
+class CurlSink:
+    """curl downloading one chunked HTTP/1.1 response from a socket this process writes: the bench's client.
+
+    ``send(pieces)`` writes one chunked frame with ``sendmsg`` from the caller's buffers (no copy in
+    Python), as the service's direct send does; ``close()`` ends the body, waits for curl and returns its
+    CPU seconds. What moving the output to a client costs, without tar, compute or event loop.
+    """
+
+    def __init__(self):
+        import resource
+
+        from transformer.server.direct import drop_sent
+
+        self._resource, self._drop_sent = resource, drop_sent
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        port = self._listener.getsockname()[1]
+        self._before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        self._curl = subprocess.Popen(["curl", "-sS", "-o", "/dev/null", "-w", "%{size_download}",
+                                       f"http://127.0.0.1:{port}/"], stdout=subprocess.PIPE, text=True)
+        self.sent = 0  # body bytes (frame payloads), checked against what curl received
+        try:
+            self._listener.settimeout(30)
+            self._connection, _ = self._listener.accept()
+            self._connection.recv(65536)
+            self._connection.sendall(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        except BaseException:
+            self.abort()
+            raise
+
+    def send(self, pieces: list) -> None:
+        size = sum(len(p) for p in pieces)
+        self.sent += size
+        parts = [b"%x\r\n" % size, *pieces, b"\r\n"]
+        while parts:
+            self._drop_sent(parts, self._connection.sendmsg(parts))
+
+    def close(self) -> float:
+        """End the body, wait for curl (which must succeed and have received every byte); curl's CPU seconds."""
+        self._connection.sendall(b"0\r\n\r\n")
+        self._connection.close()
+        self._listener.close()
+        received, _ = self._curl.communicate(timeout=120)
+        if self._curl.returncode != 0 or received.strip() != str(self.sent):
+            raise RuntimeError(f"curl exited with {self._curl.returncode} after {received.strip()} of "
+                               f"{self.sent} bytes")
+        after = self._resource.getrusage(self._resource.RUSAGE_CHILDREN)
+        return (after.ru_utime + after.ru_stime) - (self._before.ru_utime + self._before.ru_stime)
+
+    def abort(self) -> None:
+        """Stop curl and close the sockets (after a failure: no body end, no checks)."""
+        self._curl.kill()
+        self._curl.communicate()
+        for closable in (getattr(self, "_connection", None), self._listener):
+            if closable is not None:
+                closable.close()
+
+
 def http_floor(frame_bytes: int, frames: int) -> dict:
     """The least CPU that moving ``frames`` output images to the caller costs on this machine.
 
-    A thread writes HTTP/1.1 chunked frames of ``frame_bytes`` from one preallocated buffer with
-    ``sendmsg``, as the service's direct send does, to curl over loopback: no tar, no compute, no event
-    loop. Its CPU (kernel send) and curl's (kernel receive) are a floor under the service's overhead.
+    ``frames`` chunked frames of ``frame_bytes`` from one preallocated buffer to curl (``CurlSink``):
+    no tar, no compute, no event loop. This thread's CPU (kernel send) and curl's (kernel receive) are a
+    floor under the service's overhead.
     """
-    import resource
-
-    from transformer.server.direct import drop_sent
-
     payload = os.urandom(frame_bytes)
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    server_cpu = []
-
-    def serve() -> None:
-        connection, _ = listener.accept()
-        with connection:
-            connection.recv(65536)
-            start = time.thread_time()
-            connection.sendall(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
-            for _ in range(frames):
-                parts = [b"%x\r\n" % frame_bytes, payload, b"\r\n"]
-                while parts:
-                    drop_sent(parts, connection.sendmsg(parts))
-            connection.sendall(b"0\r\n\r\n")
-            server_cpu.append(time.thread_time() - start)
-
-    thread = threading.Thread(target=serve)
-    thread.start()
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    wall = time.perf_counter()
-    subprocess.run(["curl", "-sS", "-o", "/dev/null", f"http://127.0.0.1:{port}/"], check=True, timeout=120)
-    thread.join()
+    sink = CurlSink()
+    wall, start = time.perf_counter(), time.thread_time()
+    try:
+        for _ in range(frames):
+            sink.send([payload])
+    except BaseException:
+        sink.abort()
+        raise
+    server = time.thread_time() - start
+    client = sink.close()
     wall = time.perf_counter() - wall
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    listener.close()
-    client = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     return {"frame_bytes": frame_bytes, "frames": frames, "gb_per_s": frame_bytes * frames / wall / 1e9,
-            "server_cpu_ms_per_image": server_cpu[0] / frames * 1e3, "client_cpu_ms_per_image": client / frames * 1e3}
-
+            "server_cpu_ms_per_image": server / frames * 1e3, "client_cpu_ms_per_image": client / frames * 1e3}

@@ -38,6 +38,10 @@ def test_every_section_ran_and_nothing_was_skipped(smoke: tuple[dict, Path]) -> 
     assert results["skipped"] == []
     assert {r["preset"] for r in results["compute"]} == {"imagenet-train", "imagenet-val"}
     assert all(r["images_per_s"] > 0 for r in results["compute"])
+    # The compute limit's loop with each array sent to curl: every image reached the client.
+    assert {r["preset"] for r in results["http_limit"]} == {"imagenet-train", "imagenet-val"}
+    assert all(r["images"] > 0 and r["images_per_s"] > 0 and r["client_cpu_ms_per_image"] > 0
+               for r in results["http_limit"])
     assert {r["option"].split()[0] for r in results["decoders"]} >= {"torchvision", "PIL"}
     seen = {(r["system"], r["mode"], r["concurrency"]) for r in results["measurements"] if r["shard"] == "demo"}
     for system in ("service", "peer"):
