@@ -214,6 +214,7 @@ def write_markdown(results: dict, path: Path) -> None:
                 lines.append(f"| {preset} | {label} | {_fmt(median([s['images_per_s'] for s in stage]))} | "
                              f"{_pct(fraction) or '–'} | {_fmt(median([s['cpu_ms_per_image'] for s in stage]), 2)} | |")
 
+    lines += _against_http_limit(results)
     lines += _cpu_budget(results, table)
 
     if results.get("uint8"):
@@ -306,6 +307,25 @@ def write_markdown(results: dict, path: Path) -> None:
         lines += ["", "## Failed requests", ""]
         lines += [f"* {r['system']} {r['preset']} {r['mode']} x{r['concurrency']}: {r['errors']}" for r in failures]
     path.write_text("\n".join(lines) + "\n")
+
+
+def _against_http_limit(results: dict) -> list[str]:
+    """This service's images/s over the limit's loop-plus-send, round by round: what its own parts cost."""
+    parts = []
+    for preset in ("imagenet-train", "imagenet-val"):
+        sent = {r["round"]: r["images_per_s"] for r in results.get("http_limit", []) if r["preset"] == preset}
+        for mode in ("hpush-fqn", "hpush-body"):
+            fraction = median([r["images_per_s"] / sent[r["round"]] for r in results["measurements"]
+                               if r["system"] == "service" and r["preset"] == preset and r["mode"] == mode
+                               and r["concurrency"] == 1 and r["shard"] == "demo" and r["images_per_s"]
+                               and r["round"] in sent])
+            if fraction is not None:
+                parts.append(f"{preset} {mode} {_pct(fraction)}")
+    if not parts:
+        return []
+    return ["", "This service (1 shard in flight) against the same, each .npy sent to curl, in the same round "
+            "(median over rounds): " + ", ".join(parts) + ". The rest of the way to the limit is what delivering "
+            "the arrays over HTTP to a client on the same cores costs any service."]
 
 
 def _cpu_budget(results: dict, table: list[dict]) -> list[str]:
