@@ -257,11 +257,11 @@ def test_max_inflight_bounds_two_concurrent_shards(monkeypatch: pytest.MonkeyPat
     class CountingTask(engine.Task):  # submitted and not yet finished: what holds a slot
         __slots__ = ()
 
-        def __init__(self, fn, args):
+        def __init__(self, fn, args, on_done=None):
             with lock:
                 outstanding["now"] += 1
                 outstanding["max"] = max(outstanding["max"], outstanding["now"])
-            super().__init__(fn, args)
+            super().__init__(fn, args, on_done)
 
         def run(self) -> None:
             super().run()
@@ -433,3 +433,116 @@ def test_pool_shutdown_skips_queued_tasks_and_stops_its_threads() -> None:
         with pytest.raises(engine.CancelledError):
             task.result()
     assert not any(t.is_alive() for t in pool._threads)
+
+
+# --- written by the transform threads (engine._Relay, used by direct send) --------------------------
+
+
+class Stream:
+    """One output stream written by a relay's ``writer`` (any thread) and by the driver's yields, in order."""
+
+    def __init__(self, refuse: Callable[[int], engine.Write] = lambda _: engine.Write.OK):
+        self.parts: list[bytes] = []
+        self.threads: set[str] = set()
+        self.lock = threading.Lock()
+        self.writing = 0
+        self.concurrent = False
+        self._refuse, self._calls = refuse, 0
+
+    def writer(self, chunk) -> engine.Write:
+        with self.lock:
+            self.writing += 1
+            self.concurrent |= self.writing > 1
+            self._calls += 1
+            done = self._refuse(self._calls)
+        try:
+            if done is not engine.Write.REFUSED:
+                self.parts.append(bytes(chunk))
+                self.threads.add(threading.current_thread().name)
+            return done
+        finally:
+            with self.lock:
+                self.writing -= 1
+
+    def consume(self, chunks) -> bytes:
+        for chunk in chunks:
+            with self.lock:
+                self.concurrent |= self.writing > 0
+            self.parts.append(bytes(chunk))
+        return b"".join(self.parts)
+
+
+def relayed(pool: TransformPool, data: bytes, options: TransformOptions, stream: Stream, **kwargs) -> bytes:
+    return stream.consume(transform_shard(io.BytesIO(data), options, pool, shard="s", object_name="s", window=6,
+                                          writer=stream.writer, **kwargs))
+
+
+@pytest.mark.parametrize("policy", ["skip", "passthrough"])
+def test_relay_writes_the_same_bytes_as_the_driver(pool: TransformPool, make_options: MakeOptions,
+                                                   monkeypatch: pytest.MonkeyPatch, policy: str) -> None:
+    # Transforms finishing out of order, pass-through samples, bad samples and the error manifest.
+    slow_transforms(monkeypatch, lambda key: random.Random(key).uniform(0, 0.01))
+    members = mixed_members(40, bad={4: b"not a jpeg", 19: b"\xff\xd8 broken"})
+    data = make_tar(members)
+    options = make_options(seed=3, on_error=policy)
+    reference = b"".join(bytes(c) for c in transform_shard(io.BytesIO(data), options, pool, shard="s",
+                                                          object_name="s", window=6))
+    stream = Stream()
+    assert relayed(pool, data, options, stream) == reference
+    assert not stream.concurrent  # one writer at a time, never the driver and a transform thread at once
+    assert any(name.startswith("transform_") for name in stream.threads)  # the transform threads wrote
+
+
+@pytest.mark.parametrize("answer", [engine.Write.FULL, engine.Write.REFUSED])
+def test_relay_hands_over_to_the_driver_and_back(pool: TransformPool, make_options: MakeOptions,
+                                                 monkeypatch: pytest.MonkeyPatch, answer: engine.Write) -> None:
+    # Every 5th write finds the socket full (taken) or is refused (not taken): the driver writes the rest of
+    # that sample and what is ready after it, then the transform threads go on. Nothing lost or doubled.
+    slow_transforms(monkeypatch, lambda key: random.Random(key).uniform(0, 0.01))
+    data = make_tar(mixed_members(40))
+    options = make_options(seed=3)
+    reference = b"".join(bytes(c) for c in transform_shard(io.BytesIO(data), options, pool, shard="s",
+                                                          object_name="s", window=6))
+    stream = Stream(lambda call: answer if call % 5 == 0 else engine.Write.OK)
+    assert relayed(pool, data, options, stream) == reference
+    assert not stream.concurrent
+
+
+def test_relay_raises_a_fail_policy_error_met_by_a_transform_thread(pool: TransformPool,
+                                                                    make_options: MakeOptions) -> None:
+    data = make_tar(mixed_members(30, bad={13: b"not a jpeg"}))
+    stream = Stream()
+    with pytest.raises(SampleError, match="s-0013"):
+        relayed(pool, data, make_options(on_error="fail"), stream)
+    assert not any(b"s-0013" in part for part in stream.parts)  # nothing of the failed sample went out
+    assert all_slots_free(pool, 8)
+
+
+def test_relay_raises_when_the_caller_goes_away_and_stops_writing(pool: TransformPool,
+                                                                  make_options: MakeOptions) -> None:
+    def gone(call: int) -> engine.Write:
+        if call > 6:
+            raise Cancelled("caller went away while receiving")
+        return engine.Write.OK
+
+    stream = Stream(gone)
+    with pytest.raises(Cancelled):
+        relayed(pool, make_tar(mixed_members(60)), make_options(), stream)
+    written = len(stream.parts)
+    time.sleep(0.2)
+    assert len(stream.parts) == written  # no transform thread writes after the shard ended
+    assert all_slots_free(pool, 8)
+
+
+def test_relay_closed_early_lets_no_transform_thread_write_after(pool: TransformPool, make_options: MakeOptions,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    slow_transforms(monkeypatch, 0.005)
+    stream = Stream(lambda call: engine.Write.REFUSED if call == 1 else engine.Write.OK)
+    chunks = transform_shard(io.BytesIO(make_tar(mixed_members(60))), make_options(), pool, shard="s",
+                             object_name="s", window=6, writer=stream.writer)
+    next(chunks)  # the driver holds the first sample (refused), as jobs does before direct send starts
+    chunks.close()
+    written = len(stream.parts)
+    time.sleep(0.2)
+    assert len(stream.parts) == written
+    assert all_slots_free(pool, 8)

@@ -1,4 +1,4 @@
-"""Direct send: the driver thread writes a shard's body frames to the socket itself.
+"""Direct send: the shard's own threads write its body frames to the socket, not the event loop.
 
 Why: through ASGI, every output chunk crosses to the event loop, which frames it (uvicorn joins the
 chunk-size line, the 602 KB array and the CRLF into a new bytes object) and writes it with uvloop, which
@@ -12,8 +12,11 @@ go through uvicorn, so an early failure is still a proper 4xx/5xx). Once uvicorn
 empty, the driver thread takes over: it writes each chunk in HTTP/1.1 chunked framing with
 ``sendmsg`` on a duplicate of the socket (the GIL is released during the call, nothing is copied in
 Python), and hands the last frame back to uvicorn through ASGI, so uvicorn's own state (keep-alive,
-completion, the abort on failure) stays exactly as without direct send. Without the extension (another
-server, the h11 protocol, ``ETL_DIRECT_SEND=false``) every chunk takes the ASGI path.
+completion, the abort on failure) stays exactly as without direct send. Most frames are in fact written
+by the transform thread that completes the oldest unwritten sample (``try_send``, never waiting, through
+``engine._Relay``); on a full socket the driver finishes the frame with ``send`` and goes on. Without
+the extension (another server, the h11 protocol, ``ETL_DIRECT_SEND=false``) every chunk takes the ASGI
+path.
 
 The one case the socket cannot serve alone is a half-duplex caller: one that reads the response only
 after it has sent the whole body. If a frame cannot be written for ``STALL_SECONDS`` while the request
@@ -31,6 +34,7 @@ from collections.abc import Callable
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from ..engine import Write
 from ..errors import Cancelled
 
 EXTENSION = "transformer.direct_send"
@@ -87,6 +91,8 @@ class DirectSender:
         # sample instead of two.
         self._held: list[bytes | memoryview] = []
         self._held_bytes = 0
+        # What try_send could not write (the socket was full): written first by the next send or flush.
+        self._unsent: list[bytes | memoryview] = []
 
     def send(self, chunk: bytes | memoryview, cancel: Callable[[], None], stalled: Callable[[], bool]) -> bool:
         """Write one frame. False: the socket stalled and the rest went to the transport (use ASGI now).
@@ -102,14 +108,43 @@ class DirectSender:
             return True
         return self._write(chunk, cancel, stalled)
 
+    def try_send(self, chunk: bytes | memoryview) -> Write:
+        """``send`` that never waits, for a transform thread (``engine._Relay``): ``Write.OK`` when the
+        frame was written or the chunk held, ``Write.FULL`` when the socket took part of it (the rest
+        goes first with the next ``send`` or ``flush``, which the shard's driver makes)."""
+        if self._unsent:
+            return Write.REFUSED  # the driver has a frame to finish first
+        if not chunk:
+            return Write.OK
+        if self._held_bytes + len(chunk) < HOLD and len(self._held) < _HOLD_COUNT:
+            self._held.append(chunk)
+            self._held_bytes += len(chunk)
+            return Write.OK
+        parts = self._frame(chunk)
+        try:
+            sent = self._sock.sendmsg(parts)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:  # EPIPE, ECONNRESET: the caller went away
+            raise Cancelled(f"caller went away while receiving ({exc.strerror or exc})") from None
+        drop_sent(parts, sent)
+        if parts:
+            self._unsent = parts
+            return Write.FULL
+        return Write.OK
+
     def flush(self, cancel: Callable[[], None], stalled: Callable[[], bool]) -> bool:
         """Write what ``send`` held back (the end of a body); False as for ``send``."""
-        return self._write(b"", cancel, stalled) if self._held_bytes else True
+        return self._write(b"", cancel, stalled) if self._held_bytes or self._unsent else True
 
-    def _write(self, chunk: bytes | memoryview, cancel: Callable[[], None], stalled: Callable[[], bool]) -> bool:
+    def _frame(self, chunk: bytes | memoryview) -> list[bytes | memoryview]:
+        """The held pieces and ``chunk`` as one chunked-encoding frame (nothing when both are empty)."""
         held, self._held, size = self._held, [], self._held_bytes + len(chunk)
         self._held_bytes = 0
-        parts: list[bytes | memoryview] = [b"%x\r\n" % size, *held, chunk, b"\r\n"]
+        return [b"%x\r\n" % size, *held, chunk, b"\r\n"] if size else []
+
+    def _write(self, chunk: bytes | memoryview, cancel: Callable[[], None], stalled: Callable[[], bool]) -> bool:
+        parts, self._unsent = [*self._unsent, *self._frame(chunk)], []
         waited = 0.0
         while parts:
             try:

@@ -2,9 +2,10 @@
 
 Each request gets a driver thread that reads the input, runs ``engine.transform_shard`` (which fans
 samples out to the shared ``TransformPool``) and sends the output to the next hop, or to the caller:
-after the first chunk it writes the response body to the socket itself (direct send, direct.py), or it
-hands chunks to the event loop through an asyncio queue. The event loop never parses, decodes or waits
-on CPU work, which keeps ``/health`` answering while every core is busy.
+after the first chunk it and the transform threads write the response body to the socket themselves
+(direct send, direct.py; engine._Relay), or it hands chunks to the event loop through an asyncio queue.
+The event loop never parses, decodes or waits on CPU work, which keeps ``/health`` answering while
+every core is busy.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import BinaryIO
 import httpx
 
 from ..config import Settings
-from ..engine import ShardReport, TransformPool, transform_shard
+from ..engine import ShardReport, TransformPool, Write, transform_shard
 from ..errors import Cancelled, RequestError, TransformerError, UpstreamError
 from ..options import TransformOptions
 from ..shards import readinto
@@ -443,6 +444,20 @@ class ShardJob:
             while not self.handoff.wait(0.1):
                 self._check_cancel()
 
+    def _try_write(self, chunk: bytes | memoryview) -> Write:
+        """A chunk written by a transform thread (``engine._Relay``): only on the direct socket, never waiting.
+
+        Before the first chunk went out through the response (and ``go_direct``), and after leaving
+        direct send, it is refused: the driver writes, as ``_send`` does.
+        """
+        direct = self.direct
+        if direct is None or not self._handed_off:
+            return Write.REFUSED
+        done = direct.try_send(chunk)
+        if done is not Write.REFUSED:
+            self.report.bytes_out += len(chunk)
+        return done
+
     def _check_cancel(self) -> None:
         """While the driver waits for the caller to take output: gone, or past the object timeout."""
         if self.cancel.is_set():
@@ -496,8 +511,12 @@ class ShardJob:
     def _body_complete(self) -> bool:
         return not isinstance(self.source, BodySource) or self.source.complete.is_set()
 
-    def _output(self) -> Iterator[bytes | memoryview]:
-        """The transformed shard; opening the source again on every call (for retries)."""
+    def _output(self, writer: Callable[[bytes | memoryview], Write] | None = None) -> Iterator[bytes | memoryview]:
+        """The transformed shard; opening the source again on every call (for retries).
+
+        With ``writer``, the transform threads write what they can themselves (direct send); the rest
+        is yielded.
+        """
         self.report = ShardReport(self.shard, self.object_name, self.options.on_error)
         with self.source.open() as stream:
             counted = _Counting(stream, self.shard, self.runtime.settings.max_shard_bytes)
@@ -505,7 +524,7 @@ class ShardJob:
                 for chunk in transform_shard(
                     counted, self.options, self.runtime.pool, shard=self.shard, object_name=self.object_name,
                     window=self.runtime.settings.window, report=self.report, cancel=self.cancel,
-                    deadline=self.deadline,
+                    deadline=self.deadline, writer=writer,
                 ):
                     if self.report.first_byte is None:
                         self.report.first_byte = time.monotonic()
@@ -520,8 +539,11 @@ class ShardJob:
         outcome = "error"
         try:
             if self.hop is None:
-                for chunk in self._output():
-                    self._send(chunk)
+                # A response that may go direct: the transform threads write to the socket themselves.
+                # Closed here, not when collected: no transform thread may write once the job ends.
+                with contextlib.closing(self._output(self._try_write if self.handoff is not None else None)) as out:
+                    for chunk in out:
+                        self._send(chunk)
                 self._end_body()
             elif isinstance(self.hop, DirectPutTarget):
                 self._emit(self._direct_put(self.hop))
