@@ -546,3 +546,27 @@ def test_relay_closed_early_lets_no_transform_thread_write_after(pool: Transform
     time.sleep(0.2)
     assert len(stream.parts) == written
     assert all_slots_free(pool, 8)
+
+
+def test_relay_sends_the_first_output_before_the_window_fills(pool: TransformPool, make_options: MakeOptions) -> None:
+    # Before direct send starts every write is refused: the driver must pass the first sample on as soon
+    # as it is ready, not once `window` samples have arrived (a slow upload would hold the first byte).
+    data = make_tar(mixed_members(30))
+
+    class SlowBody(io.BytesIO):
+        def read(self, size=-1):
+            time.sleep(0.002)  # an upload trickling in: 512 bytes every 2 ms
+            return super().read(min(size, 512) if size and size > 0 else 512)
+
+        readinto = None  # read() only, as an upstream stream without readinto
+
+    body = SlowBody(data)
+    stream = Stream(lambda call: engine.Write.REFUSED)
+    chunks = transform_shard(body, make_options(seed=3), pool, shard="s", object_name="s", window=64,
+                             writer=stream.writer)
+    first = next(chunks)
+    assert body.tell() < len(data) // 2  # the first output did not wait for the rest of the body
+    output = stream.consume([first, *chunks])
+    reference = b"".join(bytes(c) for c in transform_shard(io.BytesIO(data), make_options(seed=3), pool, shard="s",
+                                                          object_name="s", window=6))
+    assert output == reference

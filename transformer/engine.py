@@ -306,6 +306,8 @@ def _relayed(stream, options, pool, shard, object_name, window, report, cancel, 
             relay.pump()  # a pass-through head, or a task that finished before it was added
             if relay.unwritten() >= window:
                 yield from relay.wait(low, check)
+            elif relay.needs_driver():  # output (the first chunk, before direct send starts) or an error
+                yield from relay.wait(window - 1, check)  # now, not once the window is full
         yield from relay.wait(0, check)
         yield from emitter.finish()
     finally:
@@ -344,6 +346,10 @@ class _Relay:
 
     def unwritten(self) -> int:
         return len(self._pending)
+
+    def needs_driver(self) -> bool:
+        """Whether the driver must write (a chunk was refused or the socket is full) or raise."""
+        return self._driver or self._error is not None
 
     def _head_ready(self) -> bool:
         if not self._pending:
