@@ -368,7 +368,7 @@ class _Relay:
                 with self._cond:
                     if self._closed or not self._head_ready():
                         self._writing = False
-                        if len(self._pending) <= self._low:  # else the driver has nothing to do yet
+                        if self._closed or len(self._pending) <= self._low:  # else no one waits for this
                             self._cond.notify_all()
                         return
                     sample, task = self._pending.popleft()
@@ -427,6 +427,10 @@ class _Relay:
                     task.cancel()
             while self._writing:
                 self._cond.wait(0.1)
+            # The window's samples and arrays go now, not when the collector breaks the cycle that a
+            # stored error's traceback makes through this object.
+            self._pending.clear()
+            self._leftover = self._error = None
 
 
 def _outcome(

@@ -112,8 +112,8 @@ class DirectSender:
         """``send`` that never waits, for a transform thread (``engine._Relay``): ``Write.OK`` when the
         frame was written or the chunk held, ``Write.FULL`` when the socket took part of it (the rest
         goes first with the next ``send`` or ``flush``, which the shard's driver makes)."""
-        if self._unsent:
-            return Write.REFUSED  # the driver has a frame to finish first
+        if self._unsent and not self._send_nowait(self._unsent):
+            return Write.REFUSED  # a frame is still unfinished: the driver's blocking send finishes it
         if not chunk:
             return Write.OK
         if self._held_bytes + len(chunk) < HOLD and len(self._held) < _HOLD_COUNT:
@@ -121,6 +121,13 @@ class DirectSender:
             self._held_bytes += len(chunk)
             return Write.OK
         parts = self._frame(chunk)
+        if not self._send_nowait(parts):
+            self._unsent = parts
+            return Write.FULL
+        return Write.OK
+
+    def _send_nowait(self, parts: list[bytes | memoryview]) -> bool:
+        """One non-blocking ``sendmsg``; drops what was sent from ``parts``; whether all of it went."""
         try:
             sent = self._sock.sendmsg(parts)
         except BlockingIOError:
@@ -128,10 +135,7 @@ class DirectSender:
         except OSError as exc:  # EPIPE, ECONNRESET: the caller went away
             raise Cancelled(f"caller went away while receiving ({exc.strerror or exc})") from None
         drop_sent(parts, sent)
-        if parts:
-            self._unsent = parts
-            return Write.FULL
-        return Write.OK
+        return not parts
 
     def flush(self, cancel: Callable[[], None], stalled: Callable[[], bool]) -> bool:
         """Write what ``send`` held back (the end of a body); False as for ``send``."""

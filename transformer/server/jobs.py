@@ -520,16 +520,18 @@ class ShardJob:
         self.report = ShardReport(self.shard, self.object_name, self.options.on_error)
         with self.source.open() as stream:
             counted = _Counting(stream, self.shard, self.runtime.settings.max_shard_bytes)
+            chunks = transform_shard(
+                counted, self.options, self.runtime.pool, shard=self.shard, object_name=self.object_name,
+                window=self.runtime.settings.window, report=self.report, cancel=self.cancel,
+                deadline=self.deadline, writer=writer,
+            )
             try:
-                for chunk in transform_shard(
-                    counted, self.options, self.runtime.pool, shard=self.shard, object_name=self.object_name,
-                    window=self.runtime.settings.window, report=self.report, cancel=self.cancel,
-                    deadline=self.deadline, writer=writer,
-                ):
-                    if self.report.first_byte is None:
-                        self.report.first_byte = time.monotonic()
-                    self.report.bytes_out += len(chunk)
-                    yield chunk
+                with contextlib.closing(chunks):  # its end stops the transform threads' writes, when we end
+                    for chunk in chunks:
+                        if self.report.first_byte is None:
+                            self.report.first_byte = time.monotonic()
+                        self.report.bytes_out += len(chunk)
+                        yield chunk
             finally:
                 self.bytes_in += counted.count
 
