@@ -226,14 +226,7 @@ def transform_shard(
         return
     pending: deque[tuple[Sample, Task | None]] = deque()
     try:
-        for sample in read_samples(stream, shard, options.max_member_bytes):
-            check()
-            report.samples_in += 1
-            if report.samples_in == 1:
-                report.mtime = sample.members[0].info.mtime  # reproducible manifest header
-            future = None
-            if needs_transform(sample, options):
-                future = pool.submit(transform_sample, sample, options, shard, object_name, cancel=cancel)
+        for sample, future in _submitted(stream, options, pool, shard, object_name, report, cancel, check):
             pending.append((sample, future))
             while pending and (len(pending) >= window or pending[0][1] is None or pending[0][1].done()):
                 yield from emitter.pieces(*pending.popleft())
@@ -245,6 +238,19 @@ def transform_shard(
         for _, future in pending:
             if future is not None:
                 future.cancel()
+
+
+def _submitted(stream, options, pool, shard, object_name, report, cancel, check, on_done=None):
+    """The shard's samples in order, each with its transform task (None: nothing in it to transform)."""
+    for sample in read_samples(stream, shard, options.max_member_bytes):
+        check()
+        report.samples_in += 1
+        if report.samples_in == 1:
+            report.mtime = sample.members[0].info.mtime  # reproducible manifest header
+        task = None
+        if needs_transform(sample, options):
+            task = pool.submit(transform_sample, sample, options, shard, object_name, cancel=cancel, on_done=on_done)
+        yield sample, task
 
 
 class _Emitter:
@@ -293,15 +299,8 @@ def _relayed(stream, options, pool, shard, object_name, window, report, cancel, 
     # The reader refills the window in batches: woken once half of it is free, not after every sample.
     low = max(0, window - max(1, window // 2))
     try:
-        for sample in read_samples(stream, shard, options.max_member_bytes):
-            check()
-            report.samples_in += 1
-            if report.samples_in == 1:
-                report.mtime = sample.members[0].info.mtime  # reproducible manifest header
-            task = None
-            if needs_transform(sample, options):
-                task = pool.submit(transform_sample, sample, options, shard, object_name, cancel=cancel,
-                                   on_done=relay.pump)
+        for sample, task in _submitted(stream, options, pool, shard, object_name, report, cancel, check,
+                                       on_done=relay.pump):
             relay.add(sample, task)
             relay.pump()  # a pass-through head, or a task that finished before it was added
             if relay.unwritten() >= window:
