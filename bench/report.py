@@ -193,7 +193,8 @@ def write_markdown(results: dict, path: Path) -> None:
               "per process and samples and arrays passed between processes). The same, each .npy sent to curl: "
               "the compute limit's loop with each image's array written, in order, as one chunked HTTP frame to "
               "curl over loopback on the same cores (`bench.compute.http_limit`: no tar, no request, no event "
-              "loop, no window), the most an HTTP service delivering these arrays can reach here.", "",
+              "loop, no window): about what delivering these arrays over HTTP costs before a service does "
+              "anything else.", "",
               "| preset | stage | images/s | of limit | CPU ms/image | one sample, 1 thread (ms) |",
               "|---|---|---|---|---|---|"]
     for preset in ("imagenet-train", "imagenet-val"):
@@ -324,8 +325,8 @@ def _against_http_limit(results: dict) -> list[str]:
     if not parts:
         return []
     return ["", "This service (1 shard in flight) against the same, each .npy sent to curl, in the same round "
-            "(median over rounds): " + ", ".join(parts) + ". The rest of the way to the limit is what delivering "
-            "the arrays over HTTP to a client on the same cores costs any service."]
+            "(median over rounds): " + ", ".join(parts) + ". The rest of the way to the limit is, roughly, what "
+            "delivering the arrays over HTTP to a client on the same cores costs."]
 
 
 def _cpu_budget(results: dict, table: list[dict]) -> list[str]:
