@@ -207,3 +207,81 @@ def test_head_requests_and_foreign_servers_use_the_asgi_path() -> None:
     assert direct.transport_of({**scope, "method": "HEAD"}) is None
     assert direct.transport_of({"method": "GET"}) is None
     assert direct.transport_of({"method": "GET", "extensions": {"http.response.trailers": {}}}) is None
+
+
+# --- ws replies (protocol_ends_message): continuation frames, the tail, a frame cut short -------------
+
+
+@pytest.mark.parametrize("size", [0, 1, 125, 126, 65_535, 65_536, 3 * 224 * 224 * 4])
+def test_ws_continuation_headers_are_websockets_own(size: int) -> None:
+    from websockets.frames import Frame, Opcode
+
+    payload = os.urandom(size)
+    theirs = Frame(Opcode.CONT, payload, fin=False).serialize(mask=False, extensions=[])
+    assert direct.ws_continuation_frame(size) == (theirs[:len(theirs) - size], b"")
+
+
+def ws_sender(sock: socket.socket, transport: FakeTransport | None = None) -> direct.DirectSender:
+    return direct.DirectSender(ImmediateLoop(), transport or FakeTransport(sock), frame=direct.ws_continuation_frame,
+                               protocol_ends_message=True)
+
+
+def test_ws_frames_carry_the_data_and_the_held_tail_is_handed_back() -> None:
+    from websockets.frames import Frame, Opcode
+    from wsproto.frame_protocol import FrameProtocol
+
+    ours, peer = socket.socketpair()
+    received = bytearray()
+    reader = threading.Thread(target=read_all, args=(peer, received))
+    reader.start()
+    sender = ws_sender(ours)
+    first, header, array, end = b"first", os.urandom(512), os.urandom(602_240), bytes(1024)
+    assert sender.send(header, never, lambda: False)  # held, then one frame with the array
+    assert sender.send(array, never, lambda: False)
+    assert sender.send(end, never, lambda: False)  # held: the message's last frame is the protocol's
+    tail = sender.take_tail()
+    assert tail == end
+    assert sender.flush(never, lambda: False)  # nothing left to write
+    sender.close()
+    ours.close()
+    reader.join(10)
+    # As the service does it: websockets opens the message and ends it, the sender writes between.
+    opening = Frame(Opcode.BINARY, first, fin=False).serialize(mask=False, extensions=[])
+    closing = Frame(Opcode.CONT, tail, fin=True).serialize(mask=False, extensions=[])
+    parser = FrameProtocol(client=True, extensions=[])
+    parser.receive_bytes(opening + bytes(received) + closing)
+    frames = list(parser.received_frames())
+    assert [(f.frame_finished, f.message_finished) for f in frames] == [(True, False), (True, False), (True, True)]
+    assert [f.payload for f in frames] == [first, header + array, end]
+
+
+def test_a_ws_frame_cut_short_is_completed_through_the_transport_at_close() -> None:
+    # An object timeout while the peer does not read leaves a frame half written; the protocol's 1011
+    # close frame comes next through the transport, so the frame's rest must go there first.
+    ours, peer = socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    transport = FakeTransport(ours)
+    sender = ws_sender(ours, transport)
+    array = os.urandom(4 << 20)
+    with pytest.raises(Cancelled):
+        sender.send(array, lambda: (_ for _ in ()).throw(Cancelled("object timeout")), lambda: False)
+    assert not transport.written
+    sender.close()
+    ours.shutdown(socket.SHUT_WR)
+    received = bytearray()
+    read_all(peer, received)
+    header, _ = direct.ws_continuation_frame(len(array))
+    assert bytes(received) + bytes(transport.written) == header + array
+
+
+def test_an_http_frame_cut_short_stays_cut() -> None:
+    # uvicorn aborts a failed HTTP response; nothing goes to its transport after the failure.
+    ours, _peer = socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    transport = FakeTransport(ours)
+    sender = direct.DirectSender(ImmediateLoop(), transport)
+    with pytest.raises(Cancelled):
+        sender.send(os.urandom(4 << 20), lambda: (_ for _ in ()).throw(Cancelled("object timeout")), lambda: False)
+    assert sender.take_tail() == b""
+    sender.close()
+    assert not transport.written

@@ -1,13 +1,15 @@
-"""Direct send (server/direct.py): the shard's thread writes the body frames; the bytes are the same.
+"""Direct send (server/direct.py): the shard's threads write the body frames; the bytes are the same.
 
-The default service writes each response's body from the shard's driver thread once the first chunk went
-out through uvicorn; ``ETL_DIRECT_SEND=false`` sends every chunk through the event loop. Both must give
-the caller identical bytes, and a caller that reads only after sending must still get the whole shard.
+The default service writes each response's body, and each ws reply's frames between its first and its
+last, from the shard's threads once the first chunk went out through uvicorn; ``ETL_DIRECT_SEND=false``
+sends every chunk through the event loop. Both must give the caller identical bytes, and a caller that
+reads only after sending must still get the whole shard.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, BytesMessage, Ping, Pong
+from wsproto.events import Request as WsRequest
 
 from tests.shardgen import imagenet_like_members, make_tar, read_tar
 
@@ -22,6 +27,7 @@ from .conftest import AisDisk, transformer_env
 from .fake_ais import FakeTarget
 from .harness import Service, args_query, fqn_query, start_transformer
 from .test_half_duplex_clients import _shard as half_duplex_shard
+from .test_ws import REPLY_TIMEOUT, control, request, ws_session
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +87,69 @@ def test_a_caller_that_reads_only_after_sending_moves_the_response_back_to_the_e
     assert len(read_tar(whole.content)) == 180
     after = wait_for_path(service.url, before, "direct_then_loop")
     assert after.get("direct_then_loop", 0) - before.get("direct_then_loop", 0) == 1, (before, after)
+
+
+def test_ws_replies_written_directly_and_by_the_event_loop_are_identical(service: Service, loop_service: Service,
+                                                                        disk: AisDisk) -> None:
+    inputs = imagenet_like_members(24)
+    fqn = disk.put("train", "direct-ws.tar", make_tar(inputs))
+    replies = {}
+    for name, server in (("direct", service), ("loop", loop_service)):
+        before = send_paths(server.url)
+        with ws_session(server) as ws:
+            request(ws, "direct-ws.tar", fqn=fqn, etl_args=json.dumps({"seed": 3}))
+            frames = list(ws.recv_streaming(decode=False))
+        assert len(frames) > 3 and all(frames), f"{name}: {[len(f) for f in frames]}"
+        replies[name] = b"".join(frames)
+        after = wait_for_path(server.url, before, name)
+        assert after.get(name, 0) - before.get(name, 0) == 1, (name, before, after)
+    assert replies["direct"] == replies["loop"]
+    assert sum(name.endswith(".npy") for name, _ in read_tar(replies["direct"])) == 24
+
+
+def _reply_read_slowly_while_pinging(port: int, control_message: bytes) -> tuple[bytes, int, int]:
+    """One ws request from a client that reads in small, slow steps and pings all the while.
+
+    Driven with wsproto over a raw socket with a small receive buffer, so the server's socket is full
+    most of the time: a pong the server wrote in the middle of a frame would then break the framing.
+    Returns the reply, the pings sent and the pongs received.
+    """
+    connection = WSConnection(ConnectionType.CLIENT)
+    reply, pings, pongs, finished = bytearray(), 0, 0, False
+    with socket.create_connection(("127.0.0.1", port), timeout=REPLY_TIMEOUT) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)
+        sock.sendall(connection.send(WsRequest(host=f"127.0.0.1:{port}", target="/ws")))
+        while not finished or pongs < pings:
+            data = sock.recv(16 * 1024)
+            if not data:
+                raise ConnectionError("the server closed the connection")
+            connection.receive_data(data)
+            for event in connection.events():
+                if isinstance(event, AcceptConnection):
+                    sock.sendall(connection.send(BytesMessage(data=control_message)))
+                elif isinstance(event, BytesMessage):
+                    reply += event.data
+                    finished = event.message_finished
+                elif isinstance(event, Pong):
+                    pongs += 1
+                elif not isinstance(event, AcceptConnection):
+                    raise AssertionError(f"unexpected {event!r}"[:300])
+            if not finished and reply and pings < 200:
+                sock.sendall(connection.send(Ping(payload=b"%d" % pings)))
+                pings += 1
+            time.sleep(0.0005)
+    return bytes(reply), pings, pongs
+
+
+def test_pings_during_a_direct_ws_reply_never_land_inside_its_frames(service: Service, disk: AisDisk) -> None:
+    # A client that pings while the reply streams (websockets' own keepalive does, every 20 s): the
+    # server's pong must not be written in the middle of a frame the shard's threads are writing.
+    inputs = imagenet_like_members(16)
+    fqn = disk.put("train", "direct-ws-pings.tar", make_tar(inputs))
+    with ws_session(service) as ws:
+        request(ws, "direct-ws-pings.tar", fqn=fqn, etl_args=json.dumps({"seed": 4}))
+        reference = ws.recv(timeout=REPLY_TIMEOUT)
+    reply, pings, pongs = _reply_read_slowly_while_pinging(service.port, control(
+        "direct-ws-pings.tar", fqn=fqn, etl_args=json.dumps({"seed": 4})))
+    assert pings > 20 and pongs == pings
+    assert reply == reference

@@ -271,7 +271,7 @@ async def serve_websocket(ws: WebSocket, rt: Runtime) -> None:
             pipeline = control.get("pipeline") or ""
             reply: _WsReply | Final | None = None
             try:
-                reply = await _ws_request(ws, rt, control, pipeline)
+                reply = await _ws_request(ws, rt, control, pipeline, fragmenter)
                 if isinstance(reply, Final):
                     await ws.send_text(reply.headers.get("Ais-Direct-Put-Length", "0") if reply.headers else "0")
                 elif fragmenter is None:
@@ -303,7 +303,8 @@ def _control_message(message: dict[str, Any]) -> dict[str, Any] | None:
     return control if isinstance(control, dict) else None
 
 
-async def _ws_request(ws: WebSocket, rt: Runtime, control: dict[str, Any], pipeline: str) -> _WsReply | Final:
+async def _ws_request(ws: WebSocket, rt: Runtime, control: dict[str, Any], pipeline: str,
+                      fragmenter: FragmentingWebSocketProtocol | None) -> _WsReply | Final:
     path = str(control.get("path") or "")
     etl_args = str(control.get("etl_args") or "")
     fqn = control.get("fqn")
@@ -327,6 +328,8 @@ async def _ws_request(ws: WebSocket, rt: Runtime, control: dict[str, Any], pipel
         raise
     hop = parse_node_url(pipeline or None, path, etl_args, rt.settings.ais_target_url)
     job = ShardJob(rt, source, options, shard=path, object_name=path, hop=hop, comm="ws")
+    if fragmenter is not None and rt.settings.direct_send:
+        job.handoff = threading.Event()  # the reply's threads may write its frames (_WsReply.send)
     job.start()
     reply = _WsReply(job, path)
     try:
@@ -379,23 +382,50 @@ class _WsReply:
             self.job.cancel.set()
 
     async def send(self, fragmenter: FragmentingWebSocketProtocol) -> None:
-        """The reply as one Binary message of many frames, each sent as the shard's output arrives."""
+        """The reply as one Binary message of many frames, each sent as the shard's output arrives.
+
+        With direct send, the first frame goes out here, then the shard's threads write the frames
+        that follow (direct.py, as for HTTP responses); the last frame, with FIN, goes out here again,
+        so websockets' own state stays right. Without it, every frame goes out here.
+        """
         held = None  # one chunk held back, so the last frame carries data and FIN
         deadline = self.job.deadline
         try:
             async for chunk in self._chunks():
                 if held is not None:
-                    await fragmenter.send_frame(held, first=self.frames_sent == 0, fin=False, deadline=deadline)
-                    self.frames_sent += 1
+                    await self._frame(fragmenter, held, fin=False, deadline=deadline)
                 held = chunk
-            await fragmenter.send_frame(held if held is not None else b"", first=self.frames_sent == 0, fin=True,
-                                        deadline=deadline)
-            self.frames_sent += 1
+                if self.frames_sent == 0 and self.job.handoff is not None:
+                    # The job waits for go_direct() after its first chunk: it cannot be held back.
+                    await self._frame(fragmenter, held, fin=False, deadline=deadline)
+                    held = None
+                    await self._go_direct(fragmenter)
+            await self._frame(fragmenter, held if held is not None else b"", fin=True, deadline=deadline)
         except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
             raise TransformerError(f"ws request {self.path!r}: the reply was not read within the object "
                                    "timeout") from None
         finally:
             self.job.cancel.set()
+            fragmenter.release_reading()
+
+    async def _frame(self, fragmenter: FragmentingWebSocketProtocol, data: bytes | memoryview, *, fin: bool,
+                     deadline: float) -> None:
+        await fragmenter.send_frame(data, first=self.frames_sent == 0, fin=fin, deadline=deadline)
+        self.frames_sent += 1
+
+    async def _go_direct(self, fragmenter: FragmentingWebSocketProtocol) -> None:
+        """After the first frame: the shard's threads write the next ones, once the transport is empty.
+
+        Not with a per-message extension (compression: ``serve`` turns it off), whose frames only
+        websockets can build.
+        """
+        transport = fragmenter.transport
+        ready = not fragmenter.conn.extensions and await direct.drained(transport, direct.STALL_SECONDS)
+        if ready:
+            fragmenter.hold_reading()  # no pong or close of ours may land inside a frame being written
+        loop = asyncio.get_running_loop()
+        self.job.go_direct((lambda: direct.DirectSender(loop, transport, frame=direct.ws_continuation_frame,
+                                                        protocol_ends_message=True)) if ready else None)
 
 
 def _http_client(settings: Settings) -> httpx.Client:

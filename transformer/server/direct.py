@@ -18,6 +18,11 @@ by the transform thread that completes the oldest unwritten sample (``try_send``
 the extension (another server, the h11 protocol, ``ETL_DIRECT_SEND=false``) every chunk takes the ASGI
 path.
 
+A ws reply (wsstream.py) is sent the same way: websockets sends the message's first frame, the
+shard's threads write continuation frames (``ws_continuation_frame``) while the connection does not
+read (so the protocol cannot write a pong or a close inside one), and websockets sends the last frame,
+with FIN, or closes with 1011 after completing a frame cut short.
+
 The one case the socket cannot serve alone is a half-duplex caller: one that reads the response only
 after it has sent the whole body. If a frame cannot be written for ``STALL_SECONDS`` while the request
 body is still arriving, the unsent rest of the frame goes to uvicorn's transport and the job returns
@@ -30,6 +35,7 @@ import asyncio
 import os
 import select
 import socket
+import struct
 from collections.abc import Callable
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -71,11 +77,38 @@ async def drained(transport: asyncio.Transport, timeout: float) -> bool:
     return not transport.is_closing()
 
 
-class DirectSender:
-    """Writes chunked-encoding frames from a driver thread; see the module docstring."""
+def chunked_frame(size: int) -> tuple[bytes, bytes]:
+    """HTTP/1.1 chunked encoding (RFC 9112 7.1): the size line before the data, CRLF after."""
+    return b"%x\r\n" % size, b"\r\n"
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, transport: asyncio.Transport):
-        self._loop, self._transport = loop, transport
+
+def ws_continuation_frame(size: int) -> tuple[bytes, bytes]:
+    """A WebSocket continuation frame's header, FIN clear, unmasked (server to client; RFC 6455 5.2).
+
+    Written here because websockets builds a frame by copying its payload into one bytes object
+    (``Frame.serialize``), which is the copy direct send exists to avoid; tests/test_direct.py checks
+    these headers against websockets' own for every length encoding.
+    """
+    if size < 126:
+        return bytes((0x00, size)), b""
+    if size < 1 << 16:
+        return struct.pack("!BBH", 0x00, 126, size), b""
+    return struct.pack("!BBQ", 0x00, 127, size), b""
+
+
+class DirectSender:
+    """Writes frames from a shard's threads; see the module docstring.
+
+    ``frame`` gives the bytes around a frame's data: HTTP chunked encoding (the default), or WebSocket
+    continuation frames for a ws reply (wsstream.py). ``protocol_ends_message``: the server's protocol
+    sends the message's last frame (websockets: the frame with FIN, or a 1011 close), so ``take_tail``
+    hands it the held chunks and ``close`` completes a frame cut short.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, transport: asyncio.Transport,
+                 frame: Callable[[int], tuple[bytes, bytes]] = chunked_frame, protocol_ends_message: bool = False):
+        self._loop, self._transport, self._wrap = loop, transport, frame
+        self._protocol_ends_message = protocol_ends_message
         raw = transport.get_extra_info("socket")
         if raw is None or raw.fileno() < 0:
             raise OSError("the connection has no open socket")
@@ -141,36 +174,68 @@ class DirectSender:
         """Write what ``send`` held back (the end of a body); False as for ``send``."""
         return self._write(b"", cancel, stalled) if self._held_bytes or self._unsent else True
 
+    def take_tail(self) -> bytes:
+        """At the end of the output: the held chunks, for the protocol's last frame (``protocol_ends_message``).
+
+        Otherwise nothing: ``flush`` writes them.
+        """
+        if not self._protocol_ends_message:
+            return b""
+        held, self._held, self._held_bytes = self._held, [], 0
+        return b"".join(held)
+
     def _frame(self, chunk: bytes | memoryview) -> list[bytes | memoryview]:
-        """The held pieces and ``chunk`` as one chunked-encoding frame (nothing when both are empty)."""
+        """The held pieces and ``chunk`` as one frame (nothing when both are empty)."""
         held, self._held, size = self._held, [], self._held_bytes + len(chunk)
         self._held_bytes = 0
-        return [b"%x\r\n" % size, *held, chunk, b"\r\n"] if size else []
+        if not size:
+            return []
+        prefix, suffix = self._wrap(size)
+        return [prefix, *held, chunk, suffix] if suffix else [prefix, *held, chunk]
 
     def _write(self, chunk: bytes | memoryview, cancel: Callable[[], None], stalled: Callable[[], bool]) -> bool:
         parts, self._unsent = [*self._unsent, *self._frame(chunk)], []
         waited = 0.0
-        while parts:
-            try:
-                sent = self._sock.sendmsg(parts)
-            except BlockingIOError:
-                writable = self._writable.poll(_POLL * 1000)
-                cancel()  # also when poll() says writable and the socket still refuses: never spin unchecked
-                if writable:
-                    continue  # (or failed: the next sendmsg says how)
-                waited += _POLL
-                if waited >= STALL_SECONDS and stalled():
-                    rest = b"".join(parts)
-                    self._loop.call_soon_threadsafe(self._transport.write, rest)
-                    return False
-                continue
-            except OSError as exc:  # EPIPE, ECONNRESET: the caller went away
-                raise Cancelled(f"caller went away while receiving ({exc.strerror or exc})") from None
-            waited = 0.0
-            drop_sent(parts, sent)
+        try:
+            while parts:
+                try:
+                    sent = self._sock.sendmsg(parts)
+                except BlockingIOError:
+                    writable = self._writable.poll(_POLL * 1000)
+                    cancel()  # also when poll() says writable and the socket still refuses: never spin unchecked
+                    if writable:
+                        continue  # (or failed: the next sendmsg says how)
+                    waited += _POLL
+                    if waited >= STALL_SECONDS and stalled():
+                        self._to_transport(parts)
+                        return False
+                    continue
+                except OSError as exc:  # EPIPE, ECONNRESET: the caller went away
+                    parts.clear()  # nobody will read the rest of the frame
+                    raise Cancelled(f"caller went away while receiving ({exc.strerror or exc})") from None
+                waited = 0.0
+                drop_sent(parts, sent)
+        finally:
+            self._unsent = parts  # a frame cut short by ``cancel`` (object timeout): see ``close``
         return True
 
+    def _to_transport(self, parts: list[bytes | memoryview]) -> None:
+        """The rest of a frame goes to uvicorn's transport (written by the event loop, in order)."""
+        if parts:
+            self._loop.call_soon_threadsafe(self._transport.write, b"".join(parts))
+            parts.clear()
+
     def close(self) -> None:
+        """Stop writing. With ``protocol_ends_message``, the rest of a frame cut short goes to the transport.
+
+        A ws reply that fails mid-message is closed with 1011 by the websockets protocol, through the
+        transport: a close frame inside a frame's payload would be read as payload, so the frame is
+        completed first (the message itself never is: no frame with FIN follows). An HTTP response
+        that fails is cut off by uvicorn instead, so a cut frame stays cut.
+        """
+        if self._protocol_ends_message:
+            self._to_transport(self._unsent)
+        self._unsent = []
         self._sock.close()
 
 

@@ -467,10 +467,17 @@ class ShardJob:
                                    f"reading the output ({self.report.samples_out} samples sent)")
 
     def _end_body(self) -> None:
-        """The whole body was sent: what direct send holds goes out, then the event loop ends the body."""
+        """The whole body was sent: what direct send holds goes out, then the event loop ends the body.
+
+        (For a ws reply the held tail goes through the event loop: it is the message's last frame.)
+        """
         direct = self.direct
-        if direct is not None and not direct.flush(self._check_cancel, lambda: not self._body_complete()):
-            self._leave_direct()
+        if direct is not None:
+            tail = direct.take_tail()
+            if not direct.flush(self._check_cancel, lambda: not self._body_complete()):
+                self._leave_direct()
+            if tail:
+                self._emit_chunk(tail)
         self._emit(None)
 
     def _leave_direct(self) -> None:
@@ -479,6 +486,12 @@ class ShardJob:
         log.info("shard %s: caller is not reading yet; leaving direct send", self.shard)
         self.send_path = "direct_then_loop"
         self._close_direct()
+
+    def _fail(self, exc: BaseException) -> None:
+        # Direct send ends first: what it hands to the transport (the rest of a ws frame cut short)
+        # must go out before the error's own bytes (a ws close frame).
+        self._close_direct()
+        self._emit(exc)
 
     def _close_direct(self) -> None:
         with self._direct_lock:
@@ -555,13 +568,13 @@ class ShardJob:
         except Cancelled as exc:
             outcome = "cancelled"
             log.info("shard %s: caller went away; work stopped", self.shard)
-            self._emit(exc)  # ends the response coroutine too, whether or not the response had started
+            self._fail(exc)  # ends the response coroutine too, whether or not the response had started
         except TransformerError as exc:
             log.warning("%s", exc.message)
-            self._emit(exc)
+            self._fail(exc)
         except Exception as exc:  # a bug: report it as a 500 with the reason, keep serving
             log.exception("shard %s: unexpected error", self.shard)
-            self._emit(TransformerError(f"shard '{self.shard}': internal error: {exc!r}"))
+            self._fail(TransformerError(f"shard '{self.shard}': internal error: {exc!r}"))
         finally:
             with self._direct_lock:
                 self._finished = True

@@ -13,7 +13,9 @@ How: uvicorn's websockets (sans-I/O) protocol, subclassed only to put itself int
 above its high-water mark). A failure after the first frame is a close with 1011 in the middle of the
 message (control frames may interleave with fragments, RFC 6455 section 5.4), which the reader
 reports as an error: never a shorter message. Without the extension (another server or ws
-implementation) the reply is sent whole, as before.
+implementation) the reply is sent whole, as before. With direct send (direct.py) the frames between
+the first and the last are written by the shard's threads; ``hold_reading`` keeps this protocol from
+writing in the meantime.
 """
 
 from __future__ import annotations
@@ -31,6 +33,27 @@ EXTENSION = "transformer.ws_fragments"
 
 class FragmentingWebSocketProtocol(WebSocketsSansIOProtocol):
     """uvicorn's websockets (sans-I/O) protocol that can also send a message frame by frame."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._reading_held = False
+
+    def hold_reading(self) -> None:
+        """Stop reading from the peer while a shard's threads write frames to the socket (direct send).
+
+        Reading is what makes this protocol write on its own (a pong for a ping, the reply to a
+        close); those bytes would land inside a frame being written. The peer's frames wait in the
+        socket until ``release_reading``.
+        """
+        if not self._reading_held and not self.read_paused:  # (read_paused: already paused by uvicorn)
+            self._reading_held = True
+            self.transport.pause_reading()
+
+    def release_reading(self) -> None:
+        if self._reading_held:
+            self._reading_held = False
+            if not self.read_paused and not self.transport.is_closing():
+                self.transport.resume_reading()
 
     def handle_connect(self, event: Request) -> None:
         super().handle_connect(event)
