@@ -615,3 +615,37 @@ def test_relay_over_a_real_socket_that_fills(pool: TransformPool, make_options: 
     body, _ = unframed(bytes(received))
     assert body == reference
     assert engine.Write.FULL in answers and engine.Write.OK in answers  # both paths were taken
+
+
+def test_relay_close_waits_for_a_write_in_progress_and_none_starts_after() -> None:
+    # jobs closes the engine before it closes the socket: a transform thread still inside writer()
+    # must be done before close() returns, and no thread may start writing afterwards.
+    class Pieces:
+        def pieces(self, sample, task):
+            yield sample
+
+    entered, release, calls = threading.Event(), threading.Event(), []
+
+    def writer(chunk) -> engine.Write:
+        calls.append(chunk)
+        entered.set()
+        release.wait(10)
+        return engine.Write.OK
+
+    relay = engine._Relay(Pieces(), writer)
+    for name in (b"first", b"second", b"third"):
+        relay.add(name, None)  # no task: ready at once
+    writing = threading.Thread(target=relay.pump)
+    writing.start()
+    assert entered.wait(10)
+    closing = threading.Thread(target=relay.close)
+    closing.start()
+    closing.join(0.3)
+    assert closing.is_alive(), "close() returned while a transform thread was still writing"
+    release.set()
+    closing.join(10)
+    writing.join(10)
+    assert not closing.is_alive() and not writing.is_alive()
+    relay.pump()  # a task finishing after the close
+    assert calls == [b"first"]
+    assert relay.unwritten() == 0
