@@ -406,7 +406,7 @@ class _WsReply:
                                    "timeout") from None
         finally:
             self.job.cancel.set()
-            fragmenter.release_reading()
+            fragmenter.threads_write(False)
 
     async def _frame(self, fragmenter: FragmentingWebSocketProtocol, data: bytes | memoryview, *, fin: bool,
                      deadline: float) -> None:
@@ -422,7 +422,7 @@ class _WsReply:
         transport = fragmenter.transport
         ready = not fragmenter.conn.extensions and await direct.drained(transport, direct.STALL_SECONDS)
         if ready:
-            fragmenter.hold_reading()  # no pong or close of ours may land inside a frame being written
+            fragmenter.threads_write(True)  # no pong of ours may land inside a frame being written
         loop = asyncio.get_running_loop()
         self.job.go_direct((lambda: direct.DirectSender(loop, transport, frame=direct.ws_continuation_frame,
                                                         protocol_ends_message=True)) if ready else None)

@@ -19,9 +19,9 @@ the extension (another server, the h11 protocol, ``ETL_DIRECT_SEND=false``) ever
 path.
 
 A ws reply (wsstream.py) is sent the same way: websockets sends the message's first frame, the
-shard's threads write continuation frames (``ws_continuation_frame``) while the connection does not
-read (so the protocol cannot write a pong or a close inside one), and websockets sends the last frame,
-with FIN, or closes with 1011 after completing a frame cut short.
+shard's threads write continuation frames (``ws_continuation_frame``) while the protocol holds its
+pongs back (so none lands inside a frame), and websockets sends the last frame, with FIN, or closes
+with 1011 after completing a frame cut short.
 
 The one case the socket cannot serve alone is a half-duplex caller: one that reads the response only
 after it has sent the whole body. If a frame cannot be written for ``STALL_SECONDS`` while the request

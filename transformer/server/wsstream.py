@@ -14,8 +14,8 @@ above its high-water mark). A failure after the first frame is a close with 1011
 message (control frames may interleave with fragments, RFC 6455 section 5.4), which the reader
 reports as an error: never a shorter message. Without the extension (another server or ws
 implementation) the reply is sent whole, as before. With direct send (direct.py) the frames between
-the first and the last are written by the shard's threads; ``hold_reading`` keeps this protocol from
-writing in the meantime.
+the first and the last are written by the shard's threads; ``threads_write`` keeps this protocol's
+pongs back in the meantime.
 """
 
 from __future__ import annotations
@@ -36,24 +36,25 @@ class FragmentingWebSocketProtocol(WebSocketsSansIOProtocol):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._reading_held = False
+        self._threads_write = False
 
-    def hold_reading(self) -> None:
-        """Stop reading from the peer while a shard's threads write frames to the socket (direct send).
+    def threads_write(self, active: bool) -> None:
+        """Whether a shard's threads are writing frames to the socket (direct send; event loop only).
 
-        Reading is what makes this protocol write on its own (a pong for a ping, the reply to a
-        close); those bytes would land inside a frame being written. The peer's frames wait in the
-        socket until ``release_reading``.
+        Meanwhile a pong this protocol owes stays in websockets' outgoing buffer: written now it could
+        land inside a frame being written. It goes out with the next frame sent here (the reply's last;
+        control frames may come between fragments, RFC 6455 5.4), or at the end of the hold. Reading goes
+        on, so a next request is still read ahead as before.
         """
-        if not self._reading_held and not self.read_paused:  # (read_paused: already paused by uvicorn)
-            self._reading_held = True
-            self.transport.pause_reading()
+        self._threads_write = active
+        if not active:
+            pending = self.conn.data_to_send()
+            if pending and not self.transport.is_closing():
+                self.transport.write(b"".join(pending))
 
-    def release_reading(self) -> None:
-        if self._reading_held:
-            self._reading_held = False
-            if not self.read_paused and not self.transport.is_closing():
-                self.transport.resume_reading()
+    def handle_ping(self) -> None:
+        if not self._threads_write:
+            super().handle_ping()
 
     def handle_connect(self, event: Request) -> None:
         super().handle_connect(event)
