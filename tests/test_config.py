@@ -21,7 +21,7 @@ def test_defaults_match_the_variables_table() -> None:
     assert (settings.dtype, settings.layout, settings.on_error, settings.seed) == ("float32", "CHW", "skip", None)
     assert settings.image_exts == {"jpg", "jpeg", "png", "webp"}
     assert settings.mask_exts == {"trimap.png", "mask.png", "seg.png"}
-    assert (settings.workers, settings.window, settings.max_inflight) == (3, 8, 16)
+    assert (settings.workers, settings.window, settings.max_inflight) == (3, 8, 64)
     assert settings.obj_timeout == 300.0
     assert settings.max_member_bytes == 256 * 2**20 and settings.max_image_pixels == 100_000_000
     assert settings.max_shard_bytes == 16 * 2**30
@@ -81,7 +81,9 @@ def test_from_env_reads_the_process_environment(monkeypatch: pytest.MonkeyPatch)
 
 def test_window_and_inflight_default_from_workers() -> None:
     settings = Settings.from_env({"ETL_WORKERS": "4", "ETL_WINDOW": "", "ETL_MAX_INFLIGHT": " "})
-    assert (settings.window, settings.max_inflight) == (10, 20)
+    assert (settings.window, settings.max_inflight) == (10, 80)
+    settings = Settings.from_env({"ETL_WORKERS": "4", "ETL_WINDOW": "3"})
+    assert (settings.window, settings.max_inflight) == (3, 24)  # room for 8 shards' windows
 
 
 @pytest.mark.parametrize(
@@ -209,7 +211,7 @@ def test_cgroup_cpu_max(eight_cpus, cpu_max: str | None, cpus: int) -> None:
 def test_workers_default_to_available_cpus(eight_cpus) -> None:
     eight_cpus("300000 100000\n")
     settings = Settings.from_env({})
-    assert (settings.workers, settings.window, settings.max_inflight) == (3, 8, 16)
+    assert (settings.workers, settings.window, settings.max_inflight) == (3, 8, 64)
 
 
 def test_settings_table_lists_every_variable_and_the_real_manifest_name() -> None:
