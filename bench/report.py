@@ -236,8 +236,7 @@ def write_markdown(results: dict, path: Path) -> None:
 
     lines += ["", "## Throughput over HTTP (loopback, float32 output)", "",
               "Medians over rounds; latency percentiles over every shard request; `of limit` is the ratio to the "
-              "compute limit measured just before that case (this service) or in the same round (the peer). "
-              "CPU ms/image counts the whole server process tree.", "",
+              "compute limit measured in the same round. CPU ms/image counts the whole server process tree.", "",
               "| system | preset | mode | shards in flight | images/s | of limit | MB/s in | MB/s out | "
               "TTFB p50 ms | latency p50 ms | latency p99 ms | peak RSS MB | server CPU ms/image | "
               "client CPU ms/image |",

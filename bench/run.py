@@ -233,15 +233,8 @@ def measure_round(args, budget: Budget, results: dict, round_index: int, samples
                 requests = paths if concurrency > 1 else paths[: max(1, len(paths) // 2)]
                 if concurrency > 1 and len(requests) < concurrency:
                     requests = (requests * concurrency)[:concurrency]
-                # The service's fraction of the limit uses a limit measured just before it: other jobs on
-                # the machine come and go within a round, and the round's first measurement was taken
-                # tens of seconds earlier.
-                adjacent = (compute.compute_limit(samples, preset, "float32", args.workers, settings)
-                            if system == "service" and budget.remaining() > 60 else None)
-                row = measure(budget, results, server, system, preset, mode, concurrency, requests, shards,
-                              etl_args, round_index)
-                if row is not None and adjacent is not None:
-                    row["limit_images_per_s"] = adjacent["images_per_s"]
+                measure(budget, results, server, system, preset, mode, concurrency, requests, shards, etl_args,
+                        round_index)
 
 
 def measure(budget: Budget, results: dict, server: services.Server, system: str, preset: str, mode: str,
@@ -378,7 +371,7 @@ def summarize(results: dict) -> list[dict]:
     for (system, preset, mode, concurrency, shard), rows in groups.items():
         ttfb = [t for r in rows for t in r["ttfb_s"]]
         latency = [t for r in rows for t in r["latency_s"]]
-        fractions = [r["images_per_s"] / (r.get("limit_images_per_s") or limits[preset][r["round"]]) for r in rows
+        fractions = [r["images_per_s"] / limits[preset][r["round"]] for r in rows
                      if r["images_per_s"] and r["round"] in limits.get(preset, {}) and r["shard"] == "demo"]
         table.append({
             "system": system, "preset": preset, "mode": mode, "concurrency": concurrency, "shard": shard,

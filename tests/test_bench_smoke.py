@@ -67,8 +67,6 @@ def test_both_servers_returned_a_float32_array_per_image(smoke: tuple[dict, Path
         assert row["bytes_out"] >= row["images"] * NPY_PAYLOAD[dtype], (row["system"], row["mode"], dtype)
         assert row["bytes_out"] < row["images"] * NPY_PAYLOAD[dtype] * 1.5 + row["bytes_in"]
         assert len(row["latency_s"]) == row["requests"] and row["peak_rss"] > 0
-        if row["system"] == "service" and row["shard"] == "demo":  # its fraction uses a limit measured just before
-            assert row["limit_images_per_s"] > 0
     assert [r["round"] for r in results["uint8"]] == [0]
 
 
