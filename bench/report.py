@@ -216,6 +216,7 @@ def write_markdown(results: dict, path: Path) -> None:
                              f"{_pct(fraction) or '–'} | {_fmt(median([s['cpu_ms_per_image'] for s in stage]), 2)} | |")
 
     lines += _against_http_limit(results)
+    lines += _round_by_round(results)
     lines += _cpu_budget(results, table)
 
     if results.get("uint8"):
@@ -327,6 +328,51 @@ def _against_http_limit(results: dict) -> list[str]:
     return ["", "This service (1 shard in flight) against the same, each .npy sent to curl, in the same round "
             "(median over rounds): " + ", ".join(parts) + ". The rest of the way to the limit is, roughly, what "
             "delivering the arrays over HTTP to a client on the same cores costs."]
+
+
+_ROUND_CASES = (("hpush-fqn", 1), ("hpush-body", 1), ("ws", 1), ("hpush-fqn", 4))
+
+
+def _round_by_round(results: dict) -> list[str]:
+    """Each round's fractions of that round's limit: the spread the medians above hide.
+
+    Other jobs take these cores at random, so one round's limit or service case can read far off (a
+    ratio over 100% means the limit's pass was the one slowed). The loop with each .npy sent to curl is
+    in every round too: it is what any service must pay to deliver the arrays, so a round where the
+    service and that loop move together was the machine, not the service.
+    """
+    lines: list[str] = []
+    for preset in ("imagenet-train", "imagenet-val"):
+        limit = {r["round"]: r["images_per_s"] for r in results["compute"] if r["preset"] == preset}
+        if len(limit) < 2:
+            continue  # one round: the tables above already say it all
+        sent = {r["round"]: r["images_per_s"] for r in results.get("http_limit", []) if r["preset"] == preset}
+        cases = {}
+        for mode, concurrency in _ROUND_CASES:
+            by_round = {r["round"]: r["images_per_s"] for r in results["measurements"]
+                        if r["system"] == "service" and r["preset"] == preset and r["mode"] == mode
+                        and r["concurrency"] == concurrency and r["shard"] == "demo" and r["images_per_s"]}
+            if by_round:
+                cases[f"{mode} x{concurrency}"] = by_round
+        columns = {"each .npy sent to curl": sent, **cases}
+        columns = {name: values for name, values in columns.items() if values}
+        if not lines:
+            lines += ["", "## Round by round (fraction of the same round's compute limit)", "",
+                      "The medians above hide the spread: other jobs take these cores at random, so a round's "
+                      "limit or case can read far off (over 100%: the limit's pass was the one slowed). The "
+                      "loop with each .npy sent to curl (no tar, no server) is measured in every round: what "
+                      "any service pays here to deliver the arrays to a client on the same cores."]
+        lines += ["", f"{preset}:", "", "| round | limit images/s | " + " | ".join(columns) + " |",
+                  "|---|---|" + "---|" * len(columns)]
+        for index in sorted(limit):
+            cells = [_pct(values[index] / limit[index]) if index in values else "–" for values in columns.values()]
+            lines.append(f"| {index + 1} | {_fmt(limit[index])} | " + " | ".join(cells) + " |")
+        spreads = []
+        for values in columns.values():
+            ratios = sorted(values[k] / limit[k] for k in values if k in limit)
+            spreads.append(f"{_pct(median(ratios))} ({_pct(ratios[0])}-{_pct(ratios[-1])})" if ratios else "–")
+        lines.append("| median (min-max) | | " + " | ".join(spreads) + " |")
+    return lines
 
 
 def _cpu_budget(results: dict, table: list[dict]) -> list[str]:
