@@ -64,13 +64,15 @@ def _row(table: list[dict], **match) -> dict | None:
     return next((r for r in table if all(r.get(k) == v for k, v in match.items())), None)
 
 
+def _by_round(rows: list[dict], **match) -> dict[int, float]:
+    """Round -> images/s of the rows matching every field of ``match`` (rows without a figure left out)."""
+    return {r["round"]: r["images_per_s"] for r in rows
+            if all(r.get(k) == v for k, v in match.items()) and r["images_per_s"]}
+
+
 def _per_round_ratio(results: dict, a: dict, b: dict) -> float | None:
     """Median over rounds of measurement(a) / measurement(b), both from the same round."""
-    def by_round(match: dict) -> dict[int, float]:
-        return {r["round"]: r["images_per_s"] for r in results["measurements"]
-                if all(r.get(k) == v for k, v in match.items()) and r["images_per_s"]}
-
-    left, right = by_round(a), by_round(b)
+    left, right = _by_round(results["measurements"], **a), _by_round(results["measurements"], **b)
     return median([left[k] / right[k] for k in left if k in right])
 
 
@@ -315,12 +317,11 @@ def _against_http_limit(results: dict) -> list[str]:
     """This service's images/s over the limit's loop-plus-send, round by round: what its own parts cost."""
     parts = []
     for preset in ("imagenet-train", "imagenet-val"):
-        sent = {r["round"]: r["images_per_s"] for r in results.get("http_limit", []) if r["preset"] == preset}
+        sent = _by_round(results.get("http_limit", []), preset=preset)
         for mode in ("hpush-fqn", "hpush-body"):
-            fraction = median([r["images_per_s"] / sent[r["round"]] for r in results["measurements"]
-                               if r["system"] == "service" and r["preset"] == preset and r["mode"] == mode
-                               and r["concurrency"] == 1 and r["shard"] == "demo" and r["images_per_s"]
-                               and r["round"] in sent])
+            service = _by_round(results["measurements"], system="service", preset=preset, mode=mode,
+                                concurrency=1, shard="demo")
+            fraction = median([service[k] / sent[k] for k in service if k in sent])
             if fraction is not None:
                 parts.append(f"{preset} {mode} {_pct(fraction)}")
     if not parts:
@@ -343,18 +344,13 @@ def _round_by_round(results: dict) -> list[str]:
     """
     lines: list[str] = []
     for preset in ("imagenet-train", "imagenet-val"):
-        limit = {r["round"]: r["images_per_s"] for r in results["compute"] if r["preset"] == preset}
+        limit = _by_round(results["compute"], preset=preset)
         if len(limit) < 2:
             continue  # one round: the tables above already say it all
-        sent = {r["round"]: r["images_per_s"] for r in results.get("http_limit", []) if r["preset"] == preset}
-        cases = {}
+        columns = {"each .npy sent to curl": _by_round(results.get("http_limit", []), preset=preset)}
         for mode, concurrency in _ROUND_CASES:
-            by_round = {r["round"]: r["images_per_s"] for r in results["measurements"]
-                        if r["system"] == "service" and r["preset"] == preset and r["mode"] == mode
-                        and r["concurrency"] == concurrency and r["shard"] == "demo" and r["images_per_s"]}
-            if by_round:
-                cases[f"{mode} x{concurrency}"] = by_round
-        columns = {"each .npy sent to curl": sent, **cases}
+            columns[f"{mode} x{concurrency}"] = _by_round(results["measurements"], system="service", preset=preset,
+                                                          mode=mode, concurrency=concurrency, shard="demo")
         columns = {name: values for name, values in columns.items() if values}
         if not lines:
             lines += ["", "## Round by round (fraction of the same round's compute limit)", "",
