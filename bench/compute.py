@@ -22,8 +22,8 @@ import torch
 
 from transformer.config import Settings
 from transformer.options import options_from_mapping
-from transformer.samples import Sample, transform_sample
-from transformer.shards import read_samples
+from transformer.samples import transform_sample
+from transformer.shards import Sample, read_samples
 
 
 def load_samples(path: Path, settings: Settings) -> list[Sample]:

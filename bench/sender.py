@@ -34,7 +34,8 @@ from bench import compute, data
 from bench.services import CurlSink
 from transformer.config import Settings
 from transformer.options import options_from_mapping
-from transformer.samples import Sample, transform_sample
+from transformer.samples import transform_sample
+from transformer.shards import Sample
 
 
 class HeadSender:

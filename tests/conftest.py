@@ -12,8 +12,7 @@ from tests.shardgen import make_tar
 from transformer.config import Settings
 from transformer.engine import ShardReport, TransformPool, transform_shard
 from transformer.options import TransformOptions, options_from_mapping
-from transformer.samples import Sample
-from transformer.shards import read_samples
+from transformer.shards import Sample, read_samples
 
 
 @pytest.fixture(scope="session")

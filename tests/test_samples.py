@@ -22,8 +22,8 @@ from transformer import samples as samples_module
 from transformer.config import Settings
 from transformer.errors import SampleError
 from transformer.options import TransformOptions, options_from_mapping
-from transformer.samples import Member, Sample, transform_sample
-from transformer.shards import END_OF_ARCHIVE, member_bytes
+from transformer.samples import transform_sample
+from transformer.shards import END_OF_ARCHIVE, Member, Sample, member_bytes
 from transformer.spec import IMAGENET_MEAN, IMAGENET_STD
 
 MakeOptions = Callable[..., TransformOptions]

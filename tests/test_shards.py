@@ -15,8 +15,7 @@ import webdataset as wds
 
 from tests.shardgen import make_tar
 from transformer.errors import ShardError
-from transformer.samples import Member, Sample
-from transformer.shards import BLOCK, END_OF_ARCHIVE, json_member, member_bytes, read_samples
+from transformer.shards import BLOCK, END_OF_ARCHIVE, Member, Sample, json_member, member_bytes, read_samples
 
 LIMIT = 2**30
 

@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # runtime imports stay inside the functions: torch loads only
 
     from .config import Settings
     from .options import TransformOptions
-    from .samples import Sample
+    from .shards import Sample
 
 Normalize = tuple[tuple[float, ...], tuple[float, ...]] | None
 

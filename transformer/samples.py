@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import re
 import tarfile
-from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
@@ -25,6 +24,7 @@ from torchvision.transforms.v2.functional import to_dtype
 
 from .errors import SampleError
 from .options import TransformOptions
+from .shards import Member, Sample
 from .spec import sample_seed
 
 # The pixel limit is ours (ETL_MAX_IMAGE_PIXELS, checked from the header before decoding); PIL's
@@ -36,28 +36,6 @@ Image.MAX_IMAGE_PIXELS = None
 # TorchCodec) and an op lookup by name: Python holding the GIL the other threads wait for, +2-5%
 # images/s in an A/B of the service without it. tests/test_samples.py checks the two agree.
 _decode_op = torch.ops.image.decode_image.default
-
-
-@dataclass
-class Member:
-    """One tar member: its header and its payload (pieces, written back to back)."""
-
-    info: tarfile.TarInfo
-    pieces: list[bytes | memoryview] = field(default_factory=list)
-    header: bytes | None = None  # the raw header blocks read from the input, written back unchanged
-
-    @property
-    def data(self) -> bytes:
-        return b"".join(self.pieces) if len(self.pieces) != 1 else bytes(self.pieces[0])
-
-
-@dataclass
-class Sample:
-    """The members of one WebDataset key, in shard order."""
-
-    key: str
-    members: list[Member]
-    extensions: list[str | None]  # extension after the key's first dot, None for non-files
 
 
 def member_kind(extension: str | None, options: TransformOptions) -> str:

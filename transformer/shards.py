@@ -26,12 +26,35 @@ import struct
 import tarfile
 import zlib
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from webdataset.tariterators import base_plus_ext
 
 from .errors import Cancelled, ShardError
-from .samples import Member, Sample
+
+
+@dataclass
+class Member:
+    """One tar member: its header and its payload (pieces, written back to back)."""
+
+    info: tarfile.TarInfo
+    pieces: list[bytes | memoryview] = field(default_factory=list)
+    header: bytes | None = None  # the raw header blocks read from the input, written back unchanged
+
+    @property
+    def data(self) -> bytes:
+        return b"".join(self.pieces) if len(self.pieces) != 1 else bytes(self.pieces[0])
+
+
+@dataclass
+class Sample:
+    """The members of one WebDataset key, in shard order."""
+
+    key: str
+    members: list[Member]
+    extensions: list[str | None]  # extension after the key's first dot, None for non-files
+
 
 BLOCK = tarfile.BLOCKSIZE
 # What a damaged or hostile stream can raise from tarfile and the decompressors (tarfile's own gzip

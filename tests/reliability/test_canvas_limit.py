@@ -19,7 +19,8 @@ import pytest
 from tests.shardgen import png_bytes
 from transformer.errors import SampleError
 from transformer.options import TransformOptions
-from transformer.samples import Sample, transform_sample
+from transformer.samples import transform_sample
+from transformer.shards import Sample
 
 from . import inputs
 
