@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import io
+import json
 import tarfile
 from functools import cache
 
 import numpy as np
 from PIL import Image
+
+from transformer.integrity import END_MARKER_NAME, FORMAT, end_marker_payload
 
 _PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")
 
@@ -52,6 +55,21 @@ def make_tar(members: list[tuple[str, bytes]], mtime: int = 1_700_000_000) -> by
     return buffer.getvalue()
 
 
+def sealed(data: bytes) -> bytes:
+    """The tar with the ETL's end marker after its last member, as the service ends every shard it writes."""
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as archive:
+        members = archive.getmembers()
+        end = archive.offset  # where the end-of-archive blocks start
+    keys = {m.name.rsplit("/", 1)[-1].split(".", 1)[0] for m in members}
+    payload = end_marker_payload(samples_in=len(keys),
+                                 samples_out=len(keys), skipped=0, passed_through=0, members=len(members),
+                                 bytes_before=end)
+    info = tarfile.TarInfo(END_MARKER_NAME)
+    info.size, info.mtime, info.mode = len(payload), 1_700_000_000, 0o644
+    padding = b"\0" * (-len(payload) % tarfile.BLOCKSIZE)
+    return data[:end] + info.tobuf(tarfile.USTAR_FORMAT) + payload + padding + b"\0" * (2 * tarfile.BLOCKSIZE)
+
+
 def imagenet_like_members(samples: int, extra: bool = True) -> list[tuple[str, bytes]]:
     """``sample-%06d.jpg`` + ``.cls`` (+ ``.json`` when ``extra``) per sample, photos cycling."""
     members = []
@@ -69,6 +87,22 @@ def imagenet_like_shard(samples: int = 8, extra: bool = True) -> bytes:
 
 
 def read_tar(data: bytes) -> list[tuple[str, bytes]]:
-    """(name, bytes) of every file member, in order."""
+    """(name, bytes) of every file member, in order; an end marker, if there is one, is checked and left out."""
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as archive:
-        return [(m.name, archive.extractfile(m).read()) for m in archive.getmembers() if m.isfile()]
+        infos = archive.getmembers()
+        members = [(m.name, archive.extractfile(m).read()) for m in infos if m.isfile()]
+    if not infos or infos[-1].name != END_MARKER_NAME:
+        assert END_MARKER_NAME not in [m.name for m in infos], "the end marker is not the last member"
+        return members
+    marker = json.loads(members[-1][1])
+    assert marker["format"] == FORMAT, marker
+    assert (marker["members"], marker["bytes"]) == (len(infos) - 1, infos[-1].offset), (marker, len(infos))
+    return members[:-1]
+
+
+def read_output(data: bytes) -> list[tuple[str, bytes]]:
+    """``read_tar`` of a shard the service wrote, which must end with a valid end marker."""
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as archive:
+        names = archive.getnames()
+    assert names and names[-1] == END_MARKER_NAME, f"no end marker: the output ends with {names[-1:]}"
+    return read_tar(data)

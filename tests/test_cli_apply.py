@@ -51,7 +51,7 @@ def test_apply_one_shard(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     pool = TransformPool(1, 4)
     try:
         direct = b"".join(transform_shard(io.BytesIO(source.read_bytes()), parse_etl_args(etl_args, settings), pool,
-                                          shard="x", object_name="in.tar", window=2))
+                                          shard=str(source), object_name="in.tar", window=2))
     finally:
         pool.shutdown()
     assert target.read_bytes() == direct

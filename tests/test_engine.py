@@ -14,11 +14,12 @@ from collections.abc import Callable
 import pytest
 import webdataset as wds
 
-from tests.shardgen import jpeg_bytes, make_tar, read_tar
+from tests.shardgen import jpeg_bytes, make_tar, read_output, read_tar
 from transformer import engine
 from transformer.config import Settings
 from transformer.engine import ERROR_MANIFEST_NAME, ShardReport, TransformPool, transform_shard
 from transformer.errors import Cancelled, SampleError, ShardError, TransformerError
+from transformer.integrity import END_MARKER_NAME, FORMAT
 from transformer.options import TransformOptions, options_from_mapping
 
 RunShard = Callable[..., tuple[bytes, ShardReport]]
@@ -46,9 +47,13 @@ def expected_names(members: list[tuple[str, bytes]], dropped: set[str] = frozens
     return [n[: -len(".jpg")] + ".npy" if n.endswith(".jpg") else n for n in kept]
 
 
-def tar_members(data: bytes) -> list[tarfile.TarInfo]:
+def tar_members(data: bytes, output: bool = True) -> list[tarfile.TarInfo]:
+    """An output's members before its end marker (checked: last, counting every member and byte before
+    it); with ``output=False``, every member of an input."""
+    if output:
+        read_output(data)
     with tarfile.open(fileobj=io.BytesIO(data)) as archive:
-        return archive.getmembers()
+        return archive.getmembers()[:-1] if output else archive.getmembers()
 
 
 def slow_transforms(monkeypatch: pytest.MonkeyPatch, seconds: float | Callable[[str], float]) -> dict:
@@ -91,7 +96,7 @@ def test_output_order_equals_input_order_and_other_members_are_byte_identical(
     for name, data in read_tar(out):
         if not name.endswith(".npy"):
             assert data == original[name], name
-    source_infos = {m.name: m for m in tar_members(make_tar(members))}
+    source_infos = {m.name: m for m in tar_members(make_tar(members), output=False)}
     for info in infos:
         if not info.name.endswith(".npy"):
             source = source_infos[info.name]
@@ -203,7 +208,8 @@ def test_no_manifest_without_errors_or_when_disabled(run_shard: RunShard) -> Non
     assert ERROR_MANIFEST_NAME not in [n for n, _ in read_tar(out)]
 
 
-def test_webdataset_readers_skip_the_manifest(tmp_path, run_shard: RunShard, make_options: MakeOptions) -> None:
+def test_webdataset_readers_skip_the_manifest_and_the_end_marker(tmp_path, run_shard: RunShard,
+                                                                  make_options: MakeOptions) -> None:
     out, _ = run_shard(make_tar(mixed_members(6, BAD)), make_options(on_error="skip"))
     assert read_tar(out)[-1][0] == ERROR_MANIFEST_NAME
     path = tmp_path / "out.tar"
@@ -211,6 +217,37 @@ def test_webdataset_readers_skip_the_manifest(tmp_path, run_shard: RunShard, mak
     decoded = list(wds.WebDataset(str(path), shardshuffle=False).decode())
     assert [s["__key__"] for s in decoded] == ["s-0000", "s-0002", "s-0003", "s-0005"]
     assert all(not k.startswith("__etl") for s in decoded for k in s)
+
+
+def test_the_end_marker_counts_what_the_shard_holds(run_shard: RunShard, make_options: MakeOptions) -> None:
+    out, report = run_shard(make_tar(mixed_members(6, BAD)), make_options(on_error="skip"))
+    with tarfile.open(fileobj=io.BytesIO(out)) as archive:
+        infos = archive.getmembers()
+        marker = json.loads(archive.extractfile(infos[-1]).read())
+    assert infos[-1].name == END_MARKER_NAME and infos[-2].name == ERROR_MANIFEST_NAME
+    assert marker == {"format": FORMAT, "samples_in": 6, "samples_out": 4, "skipped": 2, "passed_through": 0,
+                      "members": len(infos) - 1, "bytes": infos[-1].offset}
+    assert report.samples_out == 4  # neither the manifest nor the marker is a sample
+
+
+def test_an_input_written_by_this_etl_gets_a_new_marker_not_two(run_shard: RunShard,
+                                                                 make_options: MakeOptions) -> None:
+    first, _ = run_shard(make_tar(mixed_members(5)), make_options(seed=1))
+    second, report = run_shard(first, make_options(seed=1))  # a second stage: nothing left to decode
+    assert read_output(second) == read_output(first)
+    assert report.samples_in == 5
+    names = [m.name for m in tarfile.open(fileobj=io.BytesIO(second)).getmembers()]
+    assert names.count(END_MARKER_NAME) == 1 and names[-1] == END_MARKER_NAME
+
+
+def test_an_input_whose_marker_does_not_match_is_refused(run_shard: RunShard, make_options: MakeOptions) -> None:
+    first, _ = run_shard(make_tar(mixed_members(5)), make_options())
+    infos = tar_members(first)
+    with pytest.raises(ShardError, match="cut.tar.*the end marker counts"):
+        run_shard(first[infos[3].offset:], make_options(), shard="cut.tar")  # the first sample gone
+    extra = make_tar([("late.cls", b"1")])
+    with pytest.raises(ShardError, match="member 'late.cls' after the end marker"):
+        run_shard(first[:-1024] + extra, make_options(), shard="late.tar")
 
 
 def test_broken_shard_raises_after_partial_output(run_shard: RunShard, make_options: MakeOptions) -> None:

@@ -29,9 +29,10 @@ from typing import BinaryIO
 import torch
 
 from .errors import Cancelled, SampleError, TransformerError
+from .integrity import END_MARKER_KEY, END_MARKER_NAME, ShardCheck, end_marker_payload
 from .options import TransformOptions
-from .samples import Member, Sample, needs_transform, transform_sample
-from .shards import END_OF_ARCHIVE, json_member, member_bytes, read_samples
+from .samples import needs_transform, transform_sample
+from .shards import END_OF_ARCHIVE, Member, Sample, json_member, member_bytes, read_samples
 
 log = logging.getLogger("transformer.engine")
 
@@ -241,9 +242,16 @@ def transform_shard(
 
 
 def _submitted(stream, options, pool, shard, object_name, report, cancel, check, on_done=None):
-    """The shard's samples in order, each with its transform task (None: nothing in it to transform)."""
+    """The shard's samples in order, each with its transform task (None: nothing in it to transform).
+
+    An input that is itself the output of this ETL (a pipeline stage before us, an ETL'd copy) ends
+    with an end marker: it is checked against what came before it and dropped, as this shard gets its own.
+    """
+    whole = ShardCheck(shard)
     for sample in read_samples(stream, shard, options.max_member_bytes):
         check()
+        if whole.sample(sample):
+            continue
         report.samples_in += 1
         if report.samples_in == 1:
             report.mtime = sample.members[0].info.mtime  # reproducible manifest header
@@ -262,14 +270,17 @@ class _Emitter:
     def __init__(self, options: TransformOptions, shard: str, report: ShardReport):
         self.options, self.shard, self.report = options, shard, report
         self.buffer = bytearray()
+        self.members = self.written = 0  # tar members and bytes so far, for the end marker
 
     def pieces(self, sample: Sample, future: Task | None) -> Iterator[bytes | memoryview]:
         report = self.report
         members = sample.members if future is None else _outcome(sample, future, self.options, self.shard, report)
         if members:
             report.samples_out += 1
+        self.members += len(members)
         for member in members:
             for piece in member_bytes(member):
+                self.written += len(piece)
                 if len(piece) < _COALESCE:
                     self.buffer += piece
                     if len(self.buffer) >= _COALESCE:
@@ -282,12 +293,19 @@ class _Emitter:
                     yield piece
 
     def finish(self) -> Iterator[bytes]:
-        """The error manifest (if any sample failed) and the end-of-archive marker."""
+        """The error manifest (if any sample failed), the end marker, and the end-of-archive blocks."""
         report = self.report
         if report.errors and self.options.error_manifest:
             manifest = json_member(ERROR_MANIFEST_NAME, report.manifest(), report.mtime)
-            yield from self.pieces(Sample("__etl__", [manifest], ["json"]), None)
+            yield from self.pieces(Sample("__etl__/errors", [manifest], ["json"]), None)
             report.samples_out -= 1  # the manifest is not a sample
+        actions = [error["action"] for error in report.errors]
+        payload = end_marker_payload(
+            samples_in=report.samples_in, samples_out=report.samples_out, skipped=actions.count("skipped"),
+            passed_through=actions.count("passed-through"), members=self.members, bytes_before=self.written)
+        marker = json_member(END_MARKER_NAME, payload, report.mtime)
+        yield from self.pieces(Sample(END_MARKER_KEY, [marker], ["json"]), None)
+        report.samples_out -= 1  # nor is the marker
         self.buffer += END_OF_ARCHIVE
         yield bytes(self.buffer)
         self.buffer = bytearray()

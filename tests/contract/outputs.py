@@ -14,7 +14,7 @@ import tarfile
 
 import numpy as np
 
-from tests.shardgen import imagenet_like_members, jpeg_bytes, make_tar, read_tar, trimap_bytes
+from tests.shardgen import imagenet_like_members, jpeg_bytes, make_tar, read_output, read_tar, trimap_bytes
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 MASK_EXTS = ("trimap.png", "mask.png", "seg.png")
@@ -77,8 +77,9 @@ def assert_transformed(
     dtype: str = "float32",
     shape: tuple[int, ...] = (3, 224, 224),
 ) -> list[tuple[str, bytes]]:
-    """Check ``output`` against the output rule for ``inputs`` (no failed samples); return its members."""
-    members = read_tar(output)
+    """Check ``output`` against the output rule for ``inputs`` (no failed samples, the end marker last);
+    return its members before the marker."""
+    members = read_output(output)
     assert [n for n, _ in members] == [output_name(n) for n, _ in inputs], "members renamed, lost or reordered"
     for (in_name, in_data), (out_name, out_data) in zip(inputs, members):
         if not is_converted(in_name):

@@ -16,18 +16,24 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from tests.shardgen import jpeg_bytes, make_tar
+from tests.shardgen import jpeg_bytes, make_tar, read_output
 from transformer.engine import ERROR_MANIFEST_NAME, ShardReport
+from transformer.integrity import END_MARKER_NAME
 from transformer.options import TransformOptions
 
 JPEG = jpeg_bytes(0, (96, 72))
 
 
 def raw_members(data: bytes) -> list[tuple[bytes, bytes]]:
-    """(name as raw bytes, payload) of every file member, read the way GNU tar would."""
+    """(name as raw bytes, payload) of every file member, read the way GNU tar would; an output's end
+    marker is checked and left out."""
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:", encoding="utf-8", errors="surrogateescape") as archive:
-        return [(m.name.encode("utf-8", "surrogateescape"), archive.extractfile(m).read())
-                for m in archive.getmembers() if m.isfile()]
+        members = [(m.name.encode("utf-8", "surrogateescape"), archive.extractfile(m).read())
+                   for m in archive.getmembers() if m.isfile()]
+    if members and members[-1][0] == END_MARKER_NAME.encode():
+        read_output(data)
+        members.pop()
+    return members
 
 
 def latin1_tar(names: list[str], fmt: int) -> bytes:

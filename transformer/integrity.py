@@ -1,0 +1,108 @@
+"""The end marker: the last member of every shard the pod writes, the proof that the shard is whole.
+
+Why it is needed: on an inline read through AIS (hpush), the target sends the pod's status line to
+the reader before it copies the pod's body. If the pod fails after that, the target writes its JSON
+error into the same body and ends the response normally, so the reader gets a cleanly terminated
+``200`` holding part of the tar. Python's ``tarfile`` (under webdataset) takes an invalid header at a
+member boundary for the end of the archive, so such a cut reads as a shorter, valid shard. Only
+something at the end of the shard, checked by the reader, tells a whole shard from a cut one.
+
+The marker is a small JSON member, ``__etl__/end.json``, written after every sample (and after the
+error manifest, if any), just before the end-of-archive blocks. It records what the pod read and
+wrote, the number of tar members before it and their byte count. webdataset's readers skip members
+under ``__*__/`` by default, so a stock pipeline never sees it; ``ShardCheck`` verifies it.
+"""
+
+from __future__ import annotations
+
+import json
+
+from .errors import ShardError
+from .shards import Member, Sample
+
+END_MARKER_NAME = "__etl__/end.json"
+END_MARKER_KEY = "__etl__/end"  # its webdataset key (the name up to the basename's first dot)
+FORMAT = "ais-wds-etl-end/1"
+
+
+def end_marker_payload(*, samples_in: int, samples_out: int, skipped: int, passed_through: int, members: int,
+                       bytes_before: int) -> bytes:
+    """The marker's JSON: counts for people, ``members`` and ``bytes`` for ``ShardCheck``.
+
+    No names: the output for an object is the same bytes whichever comm type or path asked for it.
+    """
+    return json.dumps({
+        "format": FORMAT,
+        "samples_in": samples_in,
+        "samples_out": samples_out,
+        "skipped": skipped,
+        "passed_through": passed_through,
+        "members": members,
+        "bytes": bytes_before,
+    }, indent=1).encode()
+
+
+class IncompleteShard(ShardError):
+    """A shard that lacks a valid end marker: cut short, or not written by this ETL.
+
+    ``samples`` is how many samples the reader had received from it; ``retryable`` is false where a
+    new read cannot help (it differed from the first one).
+    """
+
+    def __init__(self, shard: str, detail: str, samples: int, retryable: bool = True):
+        super().__init__(shard, f"incomplete, {samples} samples received: {detail}")
+        self.detail, self.samples, self.retryable = detail, samples, retryable
+
+
+class ShardCheck:
+    """Follows one shard's members as they are read and verifies its end marker.
+
+    ``member()`` is called for every tar member in order and answers whether it is the marker (which
+    the caller drops); ``finish()`` is called once the end-of-archive blocks were read, and raises
+    ``IncompleteShard`` unless the marker came last and matches what came before it. A reader that
+    failed before ``finish()`` (a cut inside a member, a garbage header) reports ``incomplete()``.
+    """
+
+    __slots__ = ("shard", "members", "samples", "marker")
+
+    def __init__(self, shard: str):
+        self.shard = shard
+        self.members = 0  # tar members before the marker
+        self.samples = 0  # samples received, counted by the caller
+        self.marker: dict | None = None
+
+    def sample(self, sample: Sample) -> bool:
+        """Count a sample's members; true if it is the end marker (which the caller drops)."""
+        if sample.key != END_MARKER_KEY and self.marker is None:
+            self.members += len(sample.members)
+            return False
+        return any([self.member(member) for member in sample.members])
+
+    def member(self, member: Member) -> bool:
+        info = member.info
+        if self.marker is not None:
+            raise self.incomplete(f"member '{info.name}' after the end marker")
+        if info.name != END_MARKER_NAME:
+            self.members += 1
+            return False
+        try:
+            marker = json.loads(member.data)
+        except ValueError:
+            marker = None
+        if not isinstance(marker, dict) or marker.get("format") != FORMAT:
+            raise self.incomplete(f"'{END_MARKER_NAME}' is not a valid end marker")
+        if marker.get("members") != self.members or marker.get("bytes") != info.offset:
+            raise self.incomplete(
+                f"the end marker counts {marker.get('members')} members in {marker.get('bytes')} bytes, "
+                f"the shard has {self.members} members in {info.offset} bytes")
+        self.marker = marker
+        return True
+
+    def finish(self) -> dict:
+        """The marker's contents, once the whole shard was read; ``IncompleteShard`` otherwise."""
+        if self.marker is None:
+            raise self.incomplete(f"no end marker ('{END_MARKER_NAME}') after its last member")
+        return self.marker
+
+    def incomplete(self, reason: str) -> IncompleteShard:
+        return IncompleteShard(self.shard, reason, self.samples)
