@@ -41,8 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     preview.add_argument("--count", type=int, default=16, help="samples to draw (default 16)")
     preview.add_argument("--etl-args", default="", help="transform a raw shard with these etl_args first")
 
-    inspect = commands.add_parser("inspect", help="summarize a shard: members, arrays, labels, errors")
-    inspect.add_argument("shard", type=Path, help="a shard (raw or transformed)")
+    inspect = commands.add_parser("inspect", help="summarize a shard (members, arrays, labels, errors) and "
+                                                  "check that it is whole")
+    inspect.add_argument("shard", help="a shard: a file, or an http(s) URL (through AIS or the pod)")
+    inspect.add_argument("--raw", action="store_true",
+                         help="a shard not written by this ETL: do not require its end marker")
 
     settings = commands.add_parser("settings", help="print the effective settings, or the README table")
     settings.add_argument("--markdown", action="store_true", help="print the settings table as markdown")
@@ -181,40 +184,62 @@ def _preview(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    """A summary of the shard, read with the service's strict reader, and whether it is whole.
+
+    A shard the service wrote ends with its end marker; one without it was cut short (exit 1),
+    unless ``--raw`` says it is not an ETL'd shard.
+    """
     import collections
     import io
     import json
-    import tarfile
 
     import numpy as np
 
     from .engine import ERROR_MANIFEST_NAME
+    from .integrity import ShardCheck
+    from .shards import read_samples
 
+    shard = str(args.shard)
     extensions: collections.Counter[str] = collections.Counter()
     labels: collections.Counter[str] = collections.Counter()
     arrays: collections.Counter[str] = collections.Counter()
-    first_array, manifest, members, keys = None, None, 0, set()
-    with tarfile.open(args.shard, "r|*") as archive:
-        for info in archive:
-            if not info.isfile():
+    first_array, manifest, members, samples = None, None, 0, 0
+    check, failure = ShardCheck(shard), None
+    try:
+        stream = _open_for_reading(shard)
+    except OSError as exc:
+        print(f"error: {shard}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    try:
+        for sample in read_samples(stream, shard, 1 << 40):
+            if check.sample(sample):
                 continue
-            data = archive.extractfile(info).read()
-            if info.name == ERROR_MANIFEST_NAME:
-                manifest = json.loads(data)
-                continue
-            members += 1
-            base = info.name.rsplit("/", 1)[-1]
-            key, _, ext = base.partition(".")
-            keys.add(info.name[: len(info.name) - len(base)] + key)
-            extensions[ext] += 1
-            if ext.endswith("cls"):
-                labels[data.decode(errors="replace").strip()] += 1
-            if ext.endswith("npy"):
-                array = np.load(io.BytesIO(data), allow_pickle=False)
-                arrays[f"{ext}: {array.dtype} {tuple(array.shape)}"] += 1
-                if first_array is None:
-                    first_array = (info.name, array)
-    print(f"{args.shard}: {len(keys)} samples, {members} members")
+            samples += 1
+            check.samples += 1
+            for member in sample.members:
+                info = member.info
+                if not info.isfile():
+                    continue
+                if info.name == ERROR_MANIFEST_NAME:
+                    manifest = json.loads(member.data)
+                    samples -= 1
+                    continue
+                members += 1
+                base = info.name.rsplit("/", 1)[-1]
+                ext = base.partition(".")[2]
+                extensions[ext] += 1
+                if ext.endswith("cls"):
+                    labels[member.data.decode(errors="replace").strip()] += 1
+                if ext.endswith("npy"):
+                    array = np.load(io.BytesIO(member.data), allow_pickle=False)
+                    arrays[f"{ext}: {array.dtype} {tuple(array.shape)}"] += 1
+                    if first_array is None:
+                        first_array = (info.name, array)
+    except TransformerError as exc:
+        failure = exc.message
+    finally:
+        stream.close()
+    print(f"{shard}: {samples} samples, {members} members")
     print("  members by extension: " + ", ".join(f"{e or '(none)'} x{n}" for e, n in sorted(extensions.items())))
     for description, count in sorted(arrays.items()):
         print(f"  arrays {description} x{count}")
@@ -230,7 +255,30 @@ def _inspect(args: argparse.Namespace) -> int:
             print(f"    {error['key']} ({error['member']}): {error['reason']} -> {error['action']}")
     else:
         print("  no sample errors")
-    return 0
+    if failure is None and check.marker is None and args.raw:
+        print("  no end marker: not checked (--raw)")
+        return 0
+    if failure is None:
+        try:
+            marker = check.finish()
+        except TransformerError as exc:
+            failure = f"{exc.message}; cut short, or not written by this ETL (--raw for a shard that is not ETL'd)"
+        else:
+            print(f"  whole: the end marker matches ({marker['members']} members, {marker['bytes']} bytes; the "
+                  f"ETL read {marker['samples_in']} samples, wrote {marker['samples_out']}, skipped "
+                  f"{marker['skipped']}, passed {marker['passed_through']} through unchanged)")
+            return 0
+    print(f"error: {failure}", file=sys.stderr)
+    return 1
+
+
+def _open_for_reading(shard: str):
+    """A local file, or an http(s) URL read with the training client's opener (the service's error text kept)."""
+    if shard.startswith(("http://", "https://")):
+        from .client.reading import open_shard
+
+        return open_shard(shard)
+    return open(shard, "rb")
 
 
 def _settings(args: argparse.Namespace) -> int:

@@ -9,12 +9,14 @@ query, JSON body) is appended to ``problems`` and answered ``400``, so a test as
 
 Objects live in an AIS mountpath layout (``<mountpath>/@ais/<bucket>/%ob/<object>``). An object GET
 with ``etl_name`` of an ``hpull://`` ETL is redirected, like a target does, to
-``<pod>/<PathEscape(uname)>?etl_fqn=<PathEscape(fqn)>&etl_args=..`` (contract doc section 2.3), so
+``<pod>/<PathEscape(uname)>?etl_fqn=<PathEscape(fqn)>&etl_args=..``; one of an ``hpush://`` ETL is
+relayed, status line first, with a failure after it appended as AIS's JSON error (``_relay``). So
 loaders read from the real transformer service. Object PUTs are redirected proxy -> target (307).
 """
 
 from __future__ import annotations
 
+import http.client
 import io
 import json
 import random
@@ -85,6 +87,7 @@ class FakeProxy:
         self.buckets: set[str] = set()
         self.dsort_jobs: dict[str, dict[str, Any]] = {}
         self.dsort_error: str | None = None  # set to make the next dSort job abort with this error
+        self.relay_cuts: dict[str, int] = {}  # object name -> bytes after which the pod's body breaks, once
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -334,14 +337,67 @@ class FakeProxy:
         etl = self.etls.get(etl_name)
         if etl is None or etl.stage != "Running":
             return h.error(404, f"etl job {etl_name} does not exist - try starting new ETL")
-        if etl.message["communication"] != "hpull://" or self.pod_url is None:
-            return h.error(501, "this fake target redirects hpull:// ETLs only")
+        if self.pod_url is None or etl.message["communication"] not in ("hpull://", "hpush://"):
+            return h.error(501, "this fake target serves hpull:// and hpush:// ETLs only")
+        if etl.message["communication"] == "hpush://":
+            return self._relay(h, r, bucket, name)
         # What a target answers an inline GET of an hpull:// ETL (ext/etl/communicator.go:390-413).
         query = [("etl_fqn", path_escape(str(self.fqn(bucket, name))))]
         if "etl_args" in r.query:
             query.append(("etl_args", r.query["etl_args"][-1]))
         location = f"{self.pod_url}/{path_escape(f'ais/@#/{bucket}/{name}')}?{urlencode(query)}"
         h.reply(307, headers={"Location": location})
+
+    def _relay(self, h: Any, r: Recorded, bucket: str, name: str) -> None:
+        """An inline GET of an ``hpush://`` ETL, relayed as AIS 5.0's target relays it.
+
+        ``pushComm.InlineTransform`` (ext/etl/communicator.go) PUTs ``<pod>/<bucket>/<object>?etl_fqn=..``
+        with an empty body, writes the pod's status line to the reader, then copies the pod's body. When
+        that copy fails (the pod aborted mid-body), ais/tgtetl.go writes its JSON error into the same
+        response and returns normally: the reader gets a cleanly terminated chunked ``200`` holding part
+        of the tar and then the error. ``relay_cuts[name] = n`` makes the pod's body break after ``n``
+        bytes once (a transient failure, such as a pod restarted mid-read).
+        """
+        query = [("etl_fqn", path_escape(str(self.fqn(bucket, name))))]
+        if "etl_args" in r.query:
+            query.append(("etl_args", r.query["etl_args"][-1]))
+        pod = urlsplit(self.pod_url)
+        conn = http.client.HTTPConnection(pod.hostname, pod.port, timeout=60)
+        conn.request("PUT", f"/{quote(bucket)}/{quote(name)}?{urlencode(query)}", body=b"",
+                     headers={"Content-Length": "0", "Accept-Encoding": "gzip"})
+        response = conn.getresponse()
+        if response.status >= 400:  # the pod's error before its body: AIS answers it with the pod's status
+            body = response.read().decode("utf-8", "replace")
+            conn.close()
+            return h.error(response.status, f"ETL error: {body}")
+        with self._lock:
+            cut = self.relay_cuts.pop(name, None)
+        h.send_response(response.status)
+        h.send_header("Content-Type", "application/octet-stream")
+        h.send_header("Transfer-Encoding", "chunked")
+        h.end_headers()
+
+        def chunk(data: bytes) -> None:
+            h.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+        copied = 0
+        try:
+            while True:
+                data = response.read1(1 << 16)
+                if not data:
+                    break
+                if cut is not None and copied + len(data) >= cut:
+                    chunk(data[:cut - copied])
+                    raise ConnectionResetError("connection reset by peer")
+                chunk(data)
+                copied += len(data)
+        except (http.client.HTTPException, OSError) as exc:
+            error = {"message": f"ETL {bucket}/{name}: failed to copy the transformed object: {exc!r}",
+                     "method": "GET", "url_path": r.path, "status": 500}
+            chunk(json.dumps(error).encode())
+        finally:
+            conn.close()
+        h.wfile.write(b"0\r\n\r\n")
 
     # ---- dSort ---------------------------------------------------------------------------------------
 

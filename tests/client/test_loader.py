@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.shardgen import sealed
 from transformer.client import ClientError, ErrorCounter, ShardFetchError, make_loader, open_shard
 
 KEYS = ("npy", "cls", "__key__")
@@ -26,11 +27,14 @@ def npy_bytes(array: np.ndarray) -> bytes:
 
 
 def write_shards(folder: Path, shards: int, per_shard: int, *, broken: dict[int, str] | None = None) -> list[str]:
-    """Shards of ``<key>.npy`` (3x4x4 float32 filled with the label) + ``<key>.cls``; label = global index."""
+    """Shards of ``<key>.npy`` (3x4x4 float32 filled with the label) + ``<key>.cls``; label = global index.
+
+    Each ends with the end marker, as the ETL writes them."""
     paths = []
     for s in range(shards):
         path = folder / f"shard-{s:03d}.tar"
-        with tarfile.open(path, "w") as archive:
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as archive:
             for i in range(s * per_shard, (s + 1) * per_shard):
                 key = f"sample-{i:05d}"
                 members = [(f"{key}.npy", npy_bytes(np.full((3, 4, 4), i, np.float32))), (f"{key}.cls", b"%d" % i)]
@@ -40,6 +44,7 @@ def write_shards(folder: Path, shards: int, per_shard: int, *, broken: dict[int,
                     info = tarfile.TarInfo(name)
                     info.size = len(data)
                     archive.addfile(info, io.BytesIO(data))
+        path.write_bytes(sealed(buffer.getvalue()))  # as the ETL writes them: with the end marker
         paths.append(str(path))
     return paths
 

@@ -5,15 +5,18 @@ torch, webdataset and the aistore SDK. DALI (``transformer.client.dali``) is opt
 only when a DALI pipeline is built.
 
 Modules: ``registration`` (EtlSettings, register/unregister, runtime spec YAML), ``urls`` (etl_args,
-shard and pod URLs), ``loader`` (make_loader), ``prefetch`` (CudaPrefetcher), ``convert`` (folder
+shard and pod URLs), ``reading`` (whole shards: end marker checked, a cut one continued),
+``loader`` (make_loader), ``prefetch`` (CudaPrefetcher), ``convert`` (folder
 datasets -> shards in a bucket), ``shuffle`` (dSort), ``dali`` (external_source feeder).
 """
 
+from ..integrity import IncompleteShard
 from .convert import ConvertReport, convert
 from .dali import EtlBatchSource, read_etl_shards
 from .errors import ClientError, ConvertError, EtlNameError, EtlSpecMismatch, ShardFetchError, ShuffleError
-from .loader import ErrorCounter, EtlLoader, make_loader, open_shard
+from .loader import ErrorCounter, EtlLoader, make_loader
 from .prefetch import CudaPrefetcher, PrefetchStats
+from .reading import open_shard, shard_samples, tarfile_to_whole_samples, whole_shard_samples
 from .registration import (
     EtlSettings,
     Registration,
@@ -52,6 +55,10 @@ __all__ = [
     "measure_seconds_per_image",
     "obj_timeout_for",
     "open_shard",
+    "IncompleteShard",
+    "shard_samples",
+    "tarfile_to_whole_samples",
+    "whole_shard_samples",
     "path_escape",
     "pod_urls",
     "read_etl_shards",

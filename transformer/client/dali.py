@@ -67,11 +67,16 @@ def collect_batches(samples: Iterable[tuple], batch_size: int) -> Iterator[tuple
 
 
 def etl_samples(urls: Sequence[str], keys: Sequence[str], errors: Callable[[BaseException], bool],
-                timeout: tuple[float, float] = (10.0, 300.0)) -> Iterator[tuple[np.ndarray, ...]]:
-    """Decoded samples of ``urls`` in order, as tuples of numpy arrays (labels as 0-d int64 arrays)."""
+                timeout: tuple[float, float] = (10.0, 300.0), retries: int = 2,
+                require_marker: bool = True) -> Iterator[tuple[np.ndarray, ...]]:
+    """Decoded samples of ``urls`` in order, as tuples of numpy arrays (labels as 0-d int64 arrays).
+
+    Shards are read whole, as the loader reads them (``reading.whole_samples``): a shard without the
+    ETL's end marker is an error for ``errors``, and a cut one is read again from where it stopped.
+    """
     from webdataset.filters import _decode, _to_tuple
 
-    samples = _samples(({"url": url} for url in urls), errors, timeout)
+    samples = _samples(({"url": url} for url in urls), errors, timeout, retries, require_marker)
     for values in _to_tuple(_decode(samples, handler=errors), *keys, handler=errors):
         yield tuple(np.asarray(value) for value in values)
 
@@ -97,6 +102,8 @@ class EtlBatchSource:
         num_shards: int = 1,
         errors: ErrorCounter | None = None,
         timeout: tuple[float, float] = (10.0, 300.0),
+        retries: int = 2,
+        require_marker: bool = True,
     ):
         if batch_size < 1:
             raise ValueError("EtlBatchSource: batch_size must be at least 1")
@@ -113,6 +120,8 @@ class EtlBatchSource:
         self.num_shards = num_shards
         self.errors = errors or ErrorCounter()
         self.timeout = timeout
+        self.retries = retries
+        self.require_marker = require_marker
         self.epoch = 0
 
     def epoch_urls(self, epoch: int) -> list[str]:
@@ -124,7 +133,8 @@ class EtlBatchSource:
     def __iter__(self) -> Iterator[tuple[list, ...]]:
         epoch = self.epoch
         self.epoch += 1
-        samples: Iterable[tuple] = etl_samples(self.epoch_urls(epoch), self.keys, self.errors, self.timeout)
+        samples: Iterable[tuple] = etl_samples(self.epoch_urls(epoch), self.keys, self.errors, self.timeout,
+                                                  self.retries, self.require_marker)
         if self.random_shuffle:
             rng = random.Random(f"{self.seed}:{epoch}:{self.shard_id}")
             samples = buffered_shuffle(samples, self.initial_fill, rng)
@@ -145,6 +155,7 @@ def read_etl_shards(
     shard_id: int = 0,
     num_shards: int = 1,
     errors: ErrorCounter | None = None,
+    require_marker: bool = True,
 ) -> Any:
     """Inside a ``@pipeline_def``: one DALI output per key, fed from ETL'd shards.
 
@@ -159,5 +170,5 @@ def read_etl_shards(
     batch_size = dali.pipeline.Pipeline.current().max_batch_size
     source = EtlBatchSource(urls, batch_size, keys=keys, random_shuffle=random_shuffle, initial_fill=initial_fill,
                             seed=seed, pad_last_batch=pad_last_batch, shard_id=shard_id, num_shards=num_shards,
-                            errors=errors)
+                            errors=errors, require_marker=require_marker)
     return fn.external_source(source=source, num_outputs=len(source.keys), batch=True, cycle=cycle)

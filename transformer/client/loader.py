@@ -15,6 +15,7 @@ sleeps 0.5 s per error (performance doc section 1.2).
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import random
@@ -25,16 +26,15 @@ import numpy as np
 import torch
 import webdataset as wds
 from webdataset.filters import default_collation_fn, pipelinefilter
-from webdataset.tariterators import group_by_keys, tar_file_expander
 from webdataset.utils import pytorch_worker_info
 
-from .errors import ClientError, ShardFetchError
+from .errors import ClientError
+from .reading import open_shard, whole_samples
 
 log = logging.getLogger("transformer.client")
 
 LAST_BATCH = ("partial", "drop", "pad")
 DEFAULT_KEYS = ("npy;image.npy", "cls")
-_ERROR_BODY_LIMIT = 2000  # the service's error bodies are short; never read a huge one into a message
 
 
 class ErrorCounter:
@@ -118,80 +118,11 @@ def _mix(*values: int) -> str:
     return ":".join(str(v) for v in values)
 
 
-def open_shard(url: str, timeout: tuple[float, float] = (10.0, 300.0), retries: int = 2):
-    """A readable stream of one shard. HTTP(S) through ``requests``; anything else through ``wds.gopen``.
-
-    Not webdataset's curl opener: ``curl -f`` drops the service's error body (which names shard,
-    sample and reason) and ``--retry 30`` re-runs a whole shard transform up to 30 times.
-    Connection failures and 502/503/504 are retried ``retries`` times; other statuses fail at once.
-    """
-    if not url.startswith(("http://", "https://")):
-        return wds.gopen(url, "rb")
-    import time
-
-    import requests
-
-    for attempt in range(retries + 1):
-        try:
-            response = requests.get(url, stream=True, timeout=timeout, headers={"Accept-Encoding": "identity"})
-        except requests.ConnectionError as exc:
-            if attempt == retries:
-                raise ShardFetchError(url, f"connection failed: {exc}") from exc
-            time.sleep(0.5 * (attempt + 1))
-            continue
-        if response.status_code < 400:
-            response.raw.decode_content = True
-            return _ResponseStream(response)
-        body = response.raw.read(_ERROR_BODY_LIMIT, decode_content=True).decode("utf-8", "replace").strip()
-        response.close()
-        if response.status_code in (502, 503, 504) and attempt < retries:
-            time.sleep(0.5 * (attempt + 1))
-            continue
-        raise ShardFetchError(url, body or response.reason or "no reason given", response.status_code)
-    raise AssertionError("unreachable")
-
-
-class _ResponseStream:
-    """A file-like view of a streamed response body; closing it returns the connection."""
-
-    def __init__(self, response):
-        self._response = response
-
-    def read(self, size: int = -1) -> bytes:
-        return self._response.raw.read(None if size is None or size < 0 else size)
-
-    def close(self) -> None:
-        self._response.close()
-
-    def __repr__(self) -> str:  # webdataset puts the stream into error messages
-        return f"<shard stream {self._response.url}>"
-
-
-def _open_shards(data: Iterable[dict[str, Any]], handler: Callable[[BaseException], bool],
-                 timeout: tuple[float, float]) -> Iterator[dict[str, Any]]:
-    stream = None
-    try:
-        for source in data:
-            url = source["url"]
-            try:
-                stream = open_shard(url, timeout)
-            except Exception as exc:
-                if handler(exc):
-                    continue
-                break
-            yield {**source, "stream": stream}
-            # The tar expander has read this shard to its end before it asks for the next one.
-            stream.close()
-            stream = None
-    finally:
-        if stream is not None:
-            stream.close()
-
-
 def _samples(data: Iterable[dict[str, Any]], handler: Callable[[BaseException], bool],
-             timeout: tuple[float, float]) -> Iterator[dict[str, Any]]:
-    files = tar_file_expander(_open_shards(data, handler, timeout), handler=handler)
-    return group_by_keys(files, handler=handler)
+             timeout: tuple[float, float], retries: int = 2, require_marker: bool = True) -> Iterator[dict[str, Any]]:
+    """Each shard's samples, whole (``reading.whole_samples``: end marker checked, a cut shard continued)."""
+    return whole_samples(data, handler, opener=functools.partial(open_shard, timeout=timeout), retries=retries,
+                         require_marker=require_marker)
 
 
 def _seeded_shuffle(data: Iterable[Any], bufsize: int, seed: int, stage: ShardList) -> Iterator[Any]:
@@ -287,6 +218,8 @@ def make_loader(
     timeout: tuple[float, float] = (10.0, 300.0),
     pin_memory: bool | None = None,
     prefetch_factor: int = 2,
+    retries: int = 2,
+    require_marker: bool = True,
 ) -> EtlLoader:
     """A loader of ``(images, labels, ...)`` batches (torch tensors) from ETL'd shard URLs.
 
@@ -297,6 +230,11 @@ def make_loader(
     length (it also caps a finite stream, restarting it as needed). ``split_by_node`` splits shards by
     rank when ``WORLD_SIZE``/``torch.distributed`` say there are several (DDP). Workers beyond the
     number of shards this rank gets would have nothing to read: they are not started.
+
+    Every shard must end with the ETL's end marker (``require_marker``; turn it off to read shards
+    not written by this ETL, e.g. a source bucket directly). A shard cut short is read again up to
+    ``retries`` times and continued after the samples already delivered; one still cut is an error
+    (``errors`` counts it, naming the URL and how many of its samples arrived), never a shorter epoch.
     """
     if batch_size < 1:
         raise ValueError("make_loader: batch_size must be at least 1")
@@ -306,6 +244,8 @@ def make_loader(
         raise ValueError("make_loader: a resampled stream is endless; give epoch_batches")
     if epoch_batches is not None and epoch_batches < 1:
         raise ValueError("make_loader: epoch_batches must be at least 1")
+    if retries < 0:
+        raise ValueError("make_loader: retries must be non-negative")
     errors = errors or ErrorCounter()
     shards = ShardList(urls, shuffle=shuffle_shards, seed=seed, split_nodes=split_by_node, resampled=resampled)
     shards.epoch = epoch
@@ -321,7 +261,7 @@ def make_loader(
 
     stages: list[Any] = [
         shards,
-        pipelinefilter(_samples)(errors, timeout),
+        pipelinefilter(_samples)(errors, timeout, retries, require_marker),
     ]
     if shuffle_buffer > 1:
         stages.append(pipelinefilter(_seeded_shuffle)(shuffle_buffer, seed, shards))
