@@ -91,12 +91,13 @@ class RssSampler:
 class Server:
     """A server subprocess on 127.0.0.1; ``stop()`` ends exactly the process tree it started."""
 
-    def __init__(self, name: str, command: list[str], env: dict[str, str], log_dir: Path, port: int):
+    def __init__(self, name: str, command: list[str], env: dict[str, str], log_dir: Path, port: int,
+                 cwd: Path = REPO_ROOT):
         self.name, self.port = name, port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")
-        self.process = subprocess.Popen(command, env=env, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(command, env=env, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT)
         self.rss: RssSampler | None = None
         self.idle_rss = 0
 
@@ -163,13 +164,16 @@ def base_env(**overrides: str) -> dict[str, str]:
 
 
 def start_service(log_dir: Path, fqn_root: Path, workers: int, extra_env: dict[str, str] | None = None,
-                  name: str = "service") -> Server:
-    """This service as the pod runs it (``python -m transformer serve``); call ``ready()`` before use."""
+                  name: str = "service", source: Path = REPO_ROOT) -> Server:
+    """This service as the pod runs it (``python -m transformer serve``); call ``ready()`` before use.
+
+    ``source``: the source tree whose ``transformer`` package runs (another checkout, for an A/B).
+    """
     port = free_port()
     env = base_env(ETL_WORKERS=str(workers), ETL_FQN_ROOTS=str(fqn_root), ETL_LOG_LEVEL="warning",
-                   ETL_OBJ_TIMEOUT="900s", **(extra_env or {}))
+                   ETL_OBJ_TIMEOUT="900s", PYTHONPATH=str(source), **(extra_env or {}))
     command = [sys.executable, "-m", "transformer", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    return Server(name, command, env, log_dir, port)
+    return Server(name, command, env, log_dir, port, cwd=source)
 
 
 def start_peer(log_dir: Path, workers: int, name: str = "peer") -> Server:
