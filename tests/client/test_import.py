@@ -6,7 +6,7 @@ import subprocess
 import sys
 import textwrap
 
-BLOCKED = ("fastapi", "uvicorn", "starlette", "torchvision", "httpx", "prometheus_client", "nvidia")
+BLOCKED = ("fastapi", "uvicorn", "starlette", "torchvision", "httpx", "prometheus_client", "nvidia", "simplejpeg")
 
 
 def test_client_imports_without_server_dependencies() -> None:

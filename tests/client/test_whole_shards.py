@@ -254,13 +254,13 @@ def test_the_webdataset_stage_and_the_dali_source_check_too(whole: bytes, served
 # ---- through the real service and the fake target's relay (hpush) ------------------------------------
 
 
-def hpush_urls(proxy: FakeProxy, bucket: str, etl_args) -> list[str]:
+def hpush_urls(proxy: FakeProxy, bucket: str, etl_args, comm: str = "hpush") -> list[str]:
     from aistore.sdk import Client
 
     from transformer.client import EtlSettings, register
 
     client = Client(proxy.url, timeout=(2, 60))
-    register(client, "wds-etl", EtlSettings(image="registry.local/ais-wds-transformer:0.1.0", comm_type="hpush"),
+    register(client, "wds-etl", EtlSettings(image="registry.local/ais-wds-transformer:0.1.0", comm_type=comm),
              replace=True)
     return shard_urls(client, bucket, "wds-etl", prefix="train/", etl_args=etl_args)
 
@@ -304,13 +304,15 @@ def test_through_the_relay_a_cut_shard_without_a_seed_still_gives_each_sample_on
     assert errors.count == 0 and sorted(images) == [f"sample-{i:05d}" for i in range(8)]
 
 
-def test_through_the_relay_a_pod_failing_mid_shard_is_counted_not_lost(served_proxy: FakeProxy,
-                                                                       service: Service) -> None:
+@pytest.mark.parametrize("comm", ["hpush", "hpull"])
+def test_a_pod_failing_mid_shard_is_counted_not_lost(served_proxy: FakeProxy, service: Service, comm: str) -> None:
+    """hpush: through the relay (a clean 200 with the target's error); hpull: redirected to the pod (a
+    broken chunked body)."""
     bucket = "b" + uuid.uuid4().hex[:8]
     members = read_tar(labelled_shard(0, 60, size=(32, 24)))
     members[2 * 50] = ("sample-00050.jpg", b"\xff\xd8 not really a jpeg")  # fails under on_error=fail
     served_proxy.put_object(bucket, "train/train-000.tar", make_tar(members))
-    urls = hpush_urls(served_proxy, bucket, {**SMALL, "on_error": "fail"})
+    urls = hpush_urls(served_proxy, bucket, {**SMALL, "on_error": "fail"}, comm)
     keys, errors = read_all(urls)
     # The pod fails at sample 50 on every read, after its first 64 KB went out (about 20 samples):
     # those arrive once, and the shard is one error.
