@@ -253,6 +253,7 @@ def _submitted(stream, options, pool, shard, object_name, report, cancel, check,
         if whole.sample(sample):
             continue
         report.samples_in += 1
+        whole.samples = report.samples_in  # for the message, should its marker not match
         if report.samples_in == 1:
             report.mtime = sample.members[0].info.mtime  # reproducible manifest header
         task = None
