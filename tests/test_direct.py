@@ -261,8 +261,8 @@ def test_ws_frames_carry_the_data_and_the_held_tail_is_handed_back() -> None:
 
 
 def test_a_ws_frame_cut_short_is_completed_through_the_transport_at_close() -> None:
-    # An object timeout while the peer does not read leaves a frame half written; the protocol's 1011
-    # close frame comes next through the transport, so the frame's rest must go there first.
+    # An object timeout while the peer does not read leaves a frame half written; the message's last
+    # frame (the error text) comes next through the transport, so the frame's rest must go there first.
     ours, peer = socket.socketpair()
     ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     transport = FakeTransport(ours)

@@ -1,4 +1,6 @@
-"""server/wsstream.py's protocol alone: while a shard's threads write frames, no pong is written.
+"""server/wsstream.py's protocol alone: while a shard's threads write frames, no pong is written; a
+failed reply's last frame goes out without waiting, after the held pongs, and the next message starts
+cleanly.
 
 Driven in memory (no socket) so the check is exact; tests/contract/test_direct_send.py has a slow
 client ping all through a real reply.
@@ -7,6 +9,7 @@ client ping all through a real reply.
 from __future__ import annotations
 
 import asyncio
+import time
 
 from uvicorn.config import Config
 from uvicorn.server import ServerState
@@ -86,3 +89,52 @@ def test_pongs_wait_while_the_threads_write_and_go_out_after() -> None:
     assert answered == pong(b"before")
     assert during == b"", "a pong was written while the shard's threads write frames"
     assert after == pong(b"during")
+
+
+def frame(opcode: Opcode, data: bytes, fin: bool) -> bytes:
+    return Frame(opcode, data, fin=fin).serialize(mask=False, extensions=[])
+
+
+def test_a_failed_reply_ends_with_its_error_frame_even_while_the_peer_does_not_read() -> None:
+    # After a failure mid-message: pongs held while the threads wrote go out, then the error text as
+    # the message's last frame, without waiting for the peer (writing is paused); the next message
+    # then starts cleanly on the same connection.
+    async def scenario() -> tuple[bytes, bool]:
+        accepted = asyncio.Event()
+
+        async def app(scope, receive, send) -> None:
+            await receive()
+            await send({"type": "websocket.accept"})
+            accepted.set()
+            await asyncio.sleep(3600)
+
+        config = Config(app=app, ws=FragmentingWebSocketProtocol, ws_ping_interval=None, ws_ping_timeout=None,
+                        ws_per_message_deflate=False, log_level="warning")
+        config.load()
+        protocol = FragmentingWebSocketProtocol(config, ServerState(), {})
+        transport = Transport()
+        protocol.connection_made(transport)
+        protocol.data_received(HANDSHAKE)
+        await asyncio.wait_for(accepted.wait(), 5)
+        start = len(transport.written)
+
+        await protocol.send_frame(b"first", first=True, fin=False, deadline=time.monotonic() + 5)
+        protocol.threads_write(True)  # the shard's threads write the next frames
+        protocol.data_received(ping(b"during"))
+        protocol.pause_writing()  # the peer stopped reading
+        timed_out = False
+        try:
+            await protocol.send_frame(b"more", first=False, fin=False, deadline=time.monotonic() + 0.05)
+        except asyncio.TimeoutError:
+            timed_out = True
+        protocol.threads_write(False)  # the failure: the threads stopped
+        await protocol.send_frame(b'{"message": "failed"}', first=False, fin=True, deadline=None)
+        await protocol.send_frame(b"next", first=True, fin=True, deadline=None)  # a new message: clean state
+        for task in list(protocol.tasks):
+            task.cancel()
+        return bytes(transport.written[start:]), timed_out
+
+    written, timed_out = asyncio.run(scenario())
+    assert timed_out, "a frame with a deadline waited past it while writing was paused"
+    assert written == (frame(Opcode.BINARY, b"first", False) + pong(b"during")
+                       + frame(Opcode.CONT, b'{"message": "failed"}', True) + frame(Opcode.BINARY, b"next", True))

@@ -107,39 +107,44 @@ def test_ws_replies_written_directly_and_by_the_event_loop_are_identical(service
     assert sum(name.endswith(".npy") for name, _ in read_tar(replies["direct"])) == 24
 
 
-def _reply_read_slowly_while_pinging(port: int, control_message: bytes) -> tuple[bytes, int, int]:
-    """One ws request from a client that reads in small, slow steps and pings all the while.
+def _replies_read_slowly_while_pinging(port: int, requests: list[bytes]) -> tuple[list[bytes], int, int]:
+    """ws requests (control messages, all sent at once as the target pipelines them) from a client that
+    reads in small, slow steps and pings all through each reply, on one connection.
 
     Driven with wsproto over a raw socket with a small receive buffer, so the server's socket is full
     most of the time: a pong the server wrote in the middle of a frame would then break the framing.
-    Returns the reply, the pings sent and the pongs received.
+    Returns the replies, the pings sent and the pongs received.
     """
     connection = WSConnection(ConnectionType.CLIENT)
-    reply, pings, pongs, reads, finished = bytearray(), 0, 0, 0, False
+    replies: list[bytes] = []
+    reply, pings, pongs, reads = bytearray(), 0, 0, 0
     with socket.create_connection(("127.0.0.1", port), timeout=REPLY_TIMEOUT) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)
         sock.sendall(connection.send(WsRequest(host=f"127.0.0.1:{port}", target="/ws")))
-        while not finished or pongs < pings:
+        while len(replies) < len(requests) or pongs < pings:
             data = sock.recv(16 * 1024)
             if not data:
                 raise ConnectionError("the server closed the connection")
             connection.receive_data(data)
             for event in connection.events():
                 if isinstance(event, AcceptConnection):
-                    sock.sendall(connection.send(BytesMessage(data=control_message)))
+                    for message in requests:
+                        sock.sendall(connection.send(BytesMessage(data=message)))
                 elif isinstance(event, BytesMessage):
                     reply += event.data
-                    finished = event.message_finished
+                    if event.message_finished:
+                        replies.append(bytes(reply))
+                        reply = bytearray()
                 elif isinstance(event, Pong):
                     pongs += 1
                 else:
                     raise AssertionError(f"unexpected {event!r}"[:300])
             reads += 1
-            if not finished and reply and reads % 3 == 0:  # all through the reply
+            if len(replies) < len(requests) and reply and reads % 3 == 0:  # all through each reply
                 sock.sendall(connection.send(Ping(payload=b"%d" % pings)))
                 pings += 1
             time.sleep(0.0005)
-    return bytes(reply), pings, pongs
+    return replies, pings, pongs
 
 
 def test_pings_during_a_direct_ws_reply_never_land_inside_its_frames(service: Service, disk: AisDisk) -> None:
@@ -153,9 +158,35 @@ def test_pings_during_a_direct_ws_reply_never_land_inside_its_frames(service: Se
         request(ws, "direct-ws-pings.tar", fqn=fqn, etl_args=json.dumps({"seed": 4}))
         reference = ws.recv(timeout=REPLY_TIMEOUT)
     before = send_paths(service.url)
-    reply, pings, pongs = _reply_read_slowly_while_pinging(service.port, control(
-        "direct-ws-pings.tar", fqn=fqn, etl_args=json.dumps({"seed": 4})))
+    (reply,), pings, pongs = _replies_read_slowly_while_pinging(service.port, [control(
+        "direct-ws-pings.tar", fqn=fqn, etl_args=json.dumps({"seed": 4}))])
     assert pings > 100 and pongs == pings
     assert reply == reference
     after = wait_for_path(service.url, before, "direct")
     assert after.get("direct", 0) - before.get("direct", 0) == 1, "the reply did not go direct: nothing was tested"
+
+
+def test_pings_through_a_direct_ws_reply_that_fails_and_the_next_reply_on_its_connection(service: Service,
+                                                                                       disk: AisDisk) -> None:
+    # The same slow, pinging client; the first reply fails after most of it went out (a broken image at
+    # the end, on_error=fail), while pongs are held back for the shard's threads. Its message must end
+    # with the error, every pong must arrive outside the frames, and the next request, already sent on
+    # the same connection, must get exactly the reply a fresh connection gets.
+    inputs = imagenet_like_members(32, extra=False)
+    good = disk.put("train", "direct-ws-good.tar", make_tar(inputs))
+    failing = disk.put("train", "direct-ws-fails.tar", make_tar(inputs + [("zz-999999.jpg", inputs[0][1][:200])]))
+    with ws_session(service) as ws:
+        request(ws, "direct-ws-good.tar", fqn=good)
+        reference = ws.recv(timeout=REPLY_TIMEOUT)
+    before = send_paths(service.url)
+    (failed, following), pings, pongs = _replies_read_slowly_while_pinging(service.port, [
+        control("direct-ws-fails.tar", fqn=failing, etl_args='{"on_error": "fail"}'),
+        control("direct-ws-good.tar", fqn=good),
+    ])
+    assert pings > 100 and pongs == pings
+    at = failed.rfind(b'{"message": ')
+    assert at > 0 and "zz-999999" in json.loads(failed[at:])["message"], failed[-300:]
+    assert reference.startswith(failed[:at])
+    assert following == reference
+    after = wait_for_path(service.url, before, "direct")
+    assert after.get("direct", 0) - before.get("direct", 0) == 2, "the replies did not go direct: nothing was tested"

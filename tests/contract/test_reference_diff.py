@@ -175,11 +175,11 @@ def test_diff_ws_fqn_reply(service: Service, reference: Service, disk: AisDisk) 
 
 def test_diff_ws_error_is_not_a_text_reply(service: Service, reference: Service) -> None:
     # Reference known wrong (contract 6.1 item 3): a transform error is sent as Text, which AIS counts
-    # as "delivered by direct put" (a silently missing object). Ours closes the socket with 1011.
+    # as "delivered by direct put" (a silently missing object). Ours replies Binary with the error JSON.
     messages = [json.dumps({"path": "garbage.tar"}).encode(), b"not a tar at all" * 64]
     ours, ref = _ws_reply(service, messages), _ws_reply(reference, messages)
     assert isinstance(ref, str) and ref.startswith("Transform error")
-    assert isinstance(ours, ConnectionClosed) and ours.rcvd is not None and ours.rcvd.code == 1011
+    assert isinstance(ours, bytes) and json.loads(ours)["status"] == 422
 
 
 def test_diff_download_is_implemented(client: httpx.Client, ref_client: httpx.Client, target: FakeTarget) -> None:

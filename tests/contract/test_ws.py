@@ -1,12 +1,14 @@
-"""ws: ``/ws`` with a Binary JSON control message [+ Binary content], one reply per request, FIFO (2.4, 4.5).
+"""ws: ``/ws`` with a Binary JSON control message [+ Binary content], one reply per request, FIFO.
 
 A Binary reply carries bytes; a Text reply means "delivered by direct put" and nothing else, since AIS
-treats any Text as success. So an error must never be a Text reply: the server closes the socket with
-1011, or (remote destination) replies Binary so AIS records an object error.
+treats any Text as success. So an error must never be a Text reply: it is a Binary reply holding the
+error JSON (or, once the reply began, ending with it), and the connection goes on serving, since AIS
+never redials it (test_ws_session.py drives those failures through a fake of AIS's session).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import sys
@@ -17,10 +19,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-from websockets.exceptions import ConnectionClosed
+import pytest
 from websockets.sync.client import ClientConnection, connect
 
 from tests.shardgen import imagenet_like_members, make_tar, read_tar
+from transformer.errors import ShardError
+from transformer.shards import read_samples
 
 from .conftest import AisDisk, transformer_env
 from .fake_ais import FakeStage, FakeTarget, Fault, go_path_escape, unused_port
@@ -136,50 +140,50 @@ def test_ws_stage_pipeline_relays_the_stages_bytes_as_binary(service: Service, s
     assert read_tar(put.body) == inputs
 
 
-def _assert_error_is_not_text(ws: ClientConnection, allow_binary: bool) -> None:
-    try:
-        reply = ws.recv(timeout=REPLY_TIMEOUT)
-    except ConnectionClosed as closed:
-        assert closed.rcvd is not None and closed.rcvd.code == 1011, f"closed with {closed.rcvd}"
-        return
+def _assert_binary_error_then_served(ws: ClientConnection, text: str) -> None:
+    """The error is one Binary reply holding the error JSON, and the same connection serves the next request."""
+    reply = ws.recv(timeout=REPLY_TIMEOUT)
     assert not isinstance(reply, str), f"an error became a Text reply (AIS would count it as delivered): {reply!r}"
-    assert allow_binary, "an error became a Binary reply (AIS would store it as the object)"
+    error = json.loads(reply)
+    assert text in error["message"], error
+    request(ws, "after-the-error.tar", plain_shard(1, "after"))
+    assert read_tar(ws.recv(timeout=REPLY_TIMEOUT)) == plain_members(1, "after")
 
 
-def test_ws_corrupt_shard_under_fail_is_never_a_text_reply(service: Service) -> None:
+def test_ws_corrupt_shard_under_fail_is_a_binary_error_reply(service: Service) -> None:
     members = imagenet_like_members(2, extra=False)
     members[0] = (members[0][0], members[0][1][:200])  # a broken JPEG
     with ws_session(service) as ws:
         request(ws, "ws-corrupt.tar", make_tar(members), etl_args='{"on_error": "fail"}')
-        _assert_error_is_not_text(ws, allow_binary=False)
+        _assert_binary_error_then_served(ws, "sample-000000")
 
 
-def test_ws_unreadable_shard_is_never_a_text_reply(service: Service) -> None:
+def test_ws_unreadable_shard_is_a_binary_error_reply(service: Service) -> None:
     with ws_session(service) as ws:
         request(ws, "ws-garbage.tar", b"definitely not a tar" * 64)
-        _assert_error_is_not_text(ws, allow_binary=False)
+        _assert_binary_error_then_served(ws, "not a tar archive")
 
 
-def test_ws_invalid_etl_args_is_never_a_text_reply(service: Service) -> None:
+def test_ws_invalid_etl_args_is_a_binary_error_reply(service: Service) -> None:
     with ws_session(service) as ws:
         request(ws, "ws-bad-args.tar", image_shard(1), etl_args='{"dtype": "int7"}')
-        _assert_error_is_not_text(ws, allow_binary=False)
+        _assert_binary_error_then_served(ws, "dtype")
 
 
-def test_ws_unreachable_destination_is_never_a_text_reply(impatient: Service) -> None:
+def test_ws_unreachable_destination_is_a_binary_error_reply(impatient: Service) -> None:
     entry = f"http://127.0.0.1:{unused_port()}/{escaped_uname('dst', 'ws-nowhere.tar')}?owt=3&uuid=tcb-ws"
     with ws_session(impatient) as ws:
         request(ws, "ws-nowhere.tar", image_shard(1), pipeline=entry)
-        # Remote destination: a Binary reply makes AIS record an object error (section 4.5).
-        _assert_error_is_not_text(ws, allow_binary=True)
+        # Remote destination: AIS expected a direct put, so a Binary reply is recorded as an object error.
+        _assert_binary_error_then_served(ws, "ws-nowhere.tar")
 
 
-def test_ws_destination_refusal_is_never_a_text_reply(service: Service, dest_target: FakeTarget) -> None:
+def test_ws_destination_refusal_is_a_binary_error_reply(service: Service, dest_target: FakeTarget) -> None:
     dest_target.set_fault("*", Fault(status=507, body=b"above high watermark"))
     entry = f"{dest_target.base_url}/{escaped_uname('dst', 'ws-full.tar')}?owt=3&uuid=tcb-ws"
     with ws_session(service) as ws:
         request(ws, "ws-full.tar", image_shard(1), pipeline=entry)
-        _assert_error_is_not_text(ws, allow_binary=True)
+        _assert_binary_error_then_served(ws, "above high watermark")
 
 
 def test_ws_one_connection_carries_request_after_request(service: Service) -> None:
@@ -201,21 +205,19 @@ def test_ws_reply_is_one_message_sent_in_many_frames(service: Service, disk: Ais
     assert_transformed(members, b"".join(frames))
 
 
-def test_ws_failure_after_the_reply_began_closes_in_the_middle_of_the_message(service: Service) -> None:
+def test_ws_failure_after_the_reply_began_ends_the_message_with_the_error(service: Service) -> None:
     members = imagenet_like_members(40, extra=False)
     members.append(("sample-999999.jpg", members[0][1][:200]))  # a broken JPEG, well after output began
-    frames: list[bytes] = []
     with ws_session(service) as ws:
         request(ws, "ws-late-failure.tar", make_tar(members), etl_args='{"on_error": "fail"}')
-        try:
-            for frame in ws.recv_streaming(decode=False):
-                frames.append(frame)
-        except ConnectionClosed as closed:
-            assert closed.rcvd is not None and closed.rcvd.code == 1011, f"closed with {closed.rcvd}"
-            assert "sample-999999" in closed.rcvd.reason
-        else:
-            raise AssertionError("a failed shard ended as a complete message")
-    assert frames, "the failure came before the reply began: this test needs a later failure"
+        frames = list(ws.recv_streaming(decode=False))
+        request(ws, "after-the-error.tar", plain_shard(1, "after"))  # the connection goes on
+        assert read_tar(ws.recv(timeout=REPLY_TIMEOUT)) == plain_members(1, "after")
+    assert len(frames) > 2, "the failure came before the reply began: this test needs a later failure"
+    error = json.loads(frames[-1])  # the message's last frame: the error, after the tar so far
+    assert "sample-999999" in error["message"] and error["status"] == 422
+    with pytest.raises(ShardError):
+        list(read_samples(io.BytesIO(b"".join(frames)), "reply.tar", 2**30))
 
 
 def _peak_rss_during(pid: int, action) -> int:
@@ -287,8 +289,9 @@ def test_under_plain_uvicorn_the_ws_reply_is_sent_whole_and_identical(service: S
 
 def test_ws_reply_nobody_reads_ends_at_the_object_timeout(impatient: Service, disk: AisDisk) -> None:
     # 120 float32 images (72 MB) to a client that does not read: the socket buffers fill, the reply
-    # waits, and at the object timeout (2 s here) the socket is closed with 1011 in mid-message: the
-    # shard's thread and window are released instead of waiting for a reader forever.
+    # waits, and at the object timeout (2 s here) the shard's thread gives up and releases its window
+    # instead of waiting for a reader forever. The message then ends with the error, and the
+    # connection serves the next request once the client reads again.
     jpeg = imagenet_like_members(1)[0][1]
     fqn = disk.put("train", "ws-unread.tar",
                    make_tar([m for i in range(120) for m in ((f"u-{i:04d}.jpg", jpeg), (f"u-{i:04d}.cls", b"1"))]))
@@ -297,13 +300,12 @@ def test_ws_reply_nobody_reads_ends_at_the_object_timeout(impatient: Service, di
         time.sleep(3.5)  # not reading, past the 2 s object timeout
         metrics = httpx.get(impatient.url + "/metrics", timeout=5).text
         assert re.search(r"^etl_inflight_shards 0(\.0)?$", metrics, re.M), "still in flight while nobody reads"
-        received = 0
-        try:
-            for frame in ws.recv_streaming(decode=False):
-                received += len(frame)
-        except ConnectionClosed as closed:
-            assert closed.rcvd is not None and closed.rcvd.code == 1011, f"closed with {closed.rcvd}"
-            assert "object timeout" in closed.rcvd.reason
-        else:
-            raise AssertionError("the reply completed although nobody read it within the object timeout")
+        frames = list(ws.recv_streaming(decode=False))
+        request(ws, "after-the-timeout.tar", plain_shard(1, "after"))
+        assert read_tar(ws.recv(timeout=REPLY_TIMEOUT)) == plain_members(1, "after")
+    error = json.loads(frames[-1])
+    assert "object timeout" in error["message"], error
+    received = sum(len(frame) for frame in frames[:-1])
     assert 0 < received < 120 * 602_240
+    with pytest.raises(ShardError):
+        list(read_samples(io.BytesIO(b"".join(frames)), "reply.tar", 2**30))

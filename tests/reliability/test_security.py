@@ -193,14 +193,17 @@ def test_ws_content_frame_without_a_control_message_closes_1003(still_serving: S
         assert [n for n, _ in read_tar(ws.recv(timeout=30))] == ["s00000.npy", "s00000.cls"]
 
 
-def test_ws_fqn_outside_the_roots_is_never_a_text_reply(still_serving: Service, tmp_path: Path) -> None:
+def test_ws_fqn_outside_the_roots_is_a_binary_403_reply(still_serving: Service, tmp_path: Path) -> None:
     outside = AisDisk(tmp_path).put("train", "w.tar", make_tar(inputs.good_members(1)))
     with _ws(still_serving) as ws:
         ws.send(json.dumps({"path": "w.tar", "fqn": go_path_escape(outside)}).encode())
-        with pytest.raises(ConnectionClosed) as closed:
-            ws.recv(timeout=10)
-    assert closed.value.rcvd.code == 1011
-    assert "is outside the allowed" in closed.value.rcvd.reason  # a close reason holds 123 bytes at most
+        reply = ws.recv(timeout=10)
+        assert isinstance(reply, bytes), f"an error became a Text reply: {reply!r}"
+        error = json.loads(reply)
+        assert error["status"] == 403 and "is outside the allowed" in error["message"]
+        ws.send(json.dumps({"path": "ok.tar"}).encode())  # the same connection serves the next request
+        ws.send(make_tar(inputs.good_members(1)))
+        assert [n for n, _ in read_tar(ws.recv(timeout=30))] == ["s00000.npy", "s00000.cls"]
 
 
 def test_ws_text_frame_with_garbage_closes_1003(still_serving: Service) -> None:

@@ -25,10 +25,10 @@ from uvicorn.protocols.utils import ClientDisconnected
 
 from ..config import Settings
 from ..engine import TransformPool
-from ..errors import OptionsError, RequestError, TransformerError
+from ..errors import Cancelled, OptionsError, RequestError, TransformerError, UpstreamError
 from ..options import parse_etl_args
 from . import direct
-from .hops import HEADER_NODE_URL, final_destination_is_remote, parse_node_url
+from .hops import HEADER_NODE_URL, parse_node_url
 from .jobs import (
     BodySource,
     BytesSource,
@@ -249,13 +249,26 @@ def _error(exc: TransformerError) -> Response:
 
 
 async def serve_websocket(ws: WebSocket, rt: Runtime) -> None:
-    """``ws://``: Binary JSON control [+ Binary content], one reply per request, in order (contract 2.4).
+    """``ws://``: Binary JSON control [+ Binary content], one reply per request, in order, on one connection.
 
-    There is no error frame in the protocol and AIS takes any Text reply as "delivered by direct put",
-    so an error is never a Text reply: with a remote destination we reply Binary (AIS records an object
-    error); otherwise we close the socket with 1011 and the reason (AIS records a job error). The reply
-    leaves frame by frame as the shard is transformed (wsstream.py); a failure after its first frame
-    closes the socket with 1011 in the middle of the message.
+    AIS dials a session's connections once and never again, and takes any Text reply as "delivered
+    by direct put"; there is no error frame. So every request gets exactly one reply and the
+    connection stays open: Text only after a direct put succeeded, Binary otherwise, also for a
+    per-object failure (bad ``etl_args``, an ``fqn`` missing or not allowed, an unreadable shard, a
+    sample failing under ``on_error=fail``, a next hop or a destination refusing, the object
+    timeout). A close would cost AIS that connection for good and leave the requests it already
+    queued on it waiting forever.
+
+    The error reply is ``ws_error_body``: a small JSON object ``{"message", "status", "object"}``
+    (``message`` and ``status`` as in AIS's own error bodies). AIS stores a Binary reply as the
+    object (an inline read gets it as the body of its 200; an offline job with a local destination
+    stores it) or, when it expected a direct put (remote destination), records an object error; a
+    tar reader refuses it either way. The reply leaves frame by frame as the shard is transformed
+    (wsstream.py); a failure after its first frame completes any frame cut short and ends the
+    message with a last frame carrying the same JSON, so the reader holds a tar cut short followed
+    by bytes that are no tar (as after a failed hpush reply relayed by AIS), never a shorter,
+    valid-looking shard. Only a message that is no JSON control message, a protocol violation,
+    closes the connection (1003); a caller gone ends it.
     """
     await ws.accept()
     fragmenter = fragmenter_of(ws.scope)
@@ -268,30 +281,53 @@ async def serve_websocket(ws: WebSocket, rt: Runtime) -> None:
             if control is None:
                 await ws.close(code=1003, reason="expected a JSON control message {path, fqn?, etl_args?, pipeline?}")
                 return
-            pipeline = control.get("pipeline") or ""
-            reply: _WsReply | Final | None = None
-            try:
-                reply = await _ws_request(ws, rt, control, pipeline, fragmenter)
-                if isinstance(reply, Final):
-                    await ws.send_text(reply.headers.get("Ais-Direct-Put-Length", "0") if reply.headers else "0")
-                elif fragmenter is None:
-                    await ws.send_bytes(await reply.whole())  # no frame-by-frame sending: one message, held whole
-                else:
-                    await reply.send(fragmenter)
-            except ClientDisconnected:
+            if not await _ws_serve_one(ws, rt, control, fragmenter):
                 return
-            except (TransformerError, ValueError) as exc:
-                text = exc.message if isinstance(exc, TransformerError) else str(exc)
-                log.warning("ws request %s failed: %s", control.get("path"), text)
-                began = isinstance(reply, _WsReply) and reply.frames_sent > 0
-                if not began and final_destination_is_remote(pipeline):
-                    await ws.send_bytes(f"ETL error: {text}".encode())
-                    continue
-                # (once the reply began, in the middle of its message: never a shorter one)
-                await ws.close(code=1011, reason=text.encode()[:120].decode("utf-8", "ignore"))
-                return
-    except WebSocketDisconnect:
+    except (WebSocketDisconnect, ClientDisconnected):
         return
+
+
+async def _ws_serve_one(ws: WebSocket, rt: Runtime, control: dict[str, Any],
+                        fragmenter: FragmentingWebSocketProtocol | None) -> bool:
+    """One request and its one reply; False when the connection is gone (nothing more can be sent)."""
+    pipeline = control.get("pipeline") or ""
+    reply: _WsReply | Final | None = None
+    try:
+        reply = await _ws_request(ws, rt, control, pipeline, fragmenter)
+        if isinstance(reply, Final):
+            await ws.send_text(reply.headers.get("Ais-Direct-Put-Length", "0") if reply.headers else "0")
+        elif fragmenter is None:
+            await ws.send_bytes(await reply.whole())  # no frame-by-frame sending: one message, held whole
+        else:
+            await reply.send(fragmenter)
+        return True
+    except Cancelled:
+        return False  # a write to the socket failed: the caller is gone, and a frame may be cut
+    except (TransformerError, ValueError) as exc:
+        failure: TransformerError | ValueError = exc
+    path = str(control.get("path") or "")
+    text = failure.message if isinstance(failure, TransformerError) else str(failure)
+    log.warning("ws request %s failed: %s", path, text)
+    body = ws_error_body(path, failure)
+    if isinstance(reply, _WsReply) and reply.frames_sent > 0 and fragmenter is not None:
+        await reply.end_with_error(fragmenter, body)  # the message already began: its last frame
+    elif fragmenter is not None:
+        await fragmenter.send_frame(body, first=True, fin=True, deadline=None)
+    else:
+        await ws.send_bytes(body)
+    return True
+
+
+def ws_error_body(path: str, exc: BaseException) -> bytes:
+    """A ws per-object failure, as the reply's bytes (or its last ones): ``{"message", "status", "object"}``.
+
+    JSON like AIS's own error bodies (``message``, ``status``: the HTTP status the same failure gets
+    over hpush), plus the object's path from the control message. It starts with ``{``, so it is never
+    a tar header nor the end-of-archive marker: no tar reader takes it for the end of a shard.
+    """
+    status = exc.status if isinstance(exc, TransformerError) else 400
+    message = exc.message if isinstance(exc, TransformerError) else str(exc)
+    return json.dumps({"message": message, "status": status, "object": path}).encode()
 
 
 def _control_message(message: dict[str, Any]) -> dict[str, Any] | None:
@@ -362,8 +398,8 @@ class _WsReply:
         if isinstance(item, Final):
             if item.status == 204:
                 return item
-            raise TransformerError(f"ws request {self.path!r}: next hop answered {item.status}: "
-                                   f"{item.body[:300].decode('utf-8', 'replace')}")
+            raise UpstreamError(f"ws request {self.path!r}: next hop answered {item.status}: "
+                                f"{item.body[:300].decode('utf-8', 'replace')}", item.status)
         return item
 
     async def _chunks(self):
@@ -407,6 +443,17 @@ class _WsReply:
         finally:
             self.job.cancel.set()
             fragmenter.threads_write(False)
+
+    async def end_with_error(self, fragmenter: FragmentingWebSocketProtocol, body: bytes) -> None:
+        """After a failure: the message already begun ends with ``body`` as its last frame (FIN).
+
+        ``send`` has returned (the job is cancelled, the shard's threads write no more, a frame they
+        cut short was completed through the transport, pongs held back went out). Written without
+        waiting for the peer to read: it is small, and it must follow at once for the next reply to
+        start at a message boundary, also after the object timeout.
+        """
+        await fragmenter.send_frame(body, first=False, fin=True, deadline=None)
+        self.frames_sent += 1
 
     async def _frame(self, fragmenter: FragmentingWebSocketProtocol, data: bytes | memoryview, *, fin: bool,
                      deadline: float) -> None:

@@ -20,8 +20,8 @@ path.
 
 A ws reply (wsstream.py) is sent the same way: websockets sends the message's first frame, the
 shard's threads write continuation frames (``ws_continuation_frame``) while the protocol holds its
-pongs back (so none lands inside a frame), and websockets sends the last frame, with FIN, or closes
-with 1011 after completing a frame cut short.
+pongs back (so none lands inside a frame), and websockets sends the last frame, with FIN: the end of
+the shard, or after a failure the error text, once a frame cut short was completed.
 
 The one case the socket cannot serve alone is a half-duplex caller: one that reads the response only
 after it has sent the whole body. If a frame cannot be written for ``STALL_SECONDS`` while the request
@@ -101,7 +101,8 @@ class DirectSender:
 
     ``frame`` gives the bytes around a frame's data: HTTP chunked encoding (the default), or WebSocket
     continuation frames for a ws reply (wsstream.py). ``protocol_ends_message``: the server's protocol
-    sends the message's last frame (websockets: the frame with FIN, or a 1011 close), so ``take_tail``
+    sends the message's last frame (websockets: the frame with FIN, after a failure carrying the
+    error text), so ``take_tail``
     hands it the held chunks and ``close`` completes a frame cut short.
     """
 
@@ -228,10 +229,10 @@ class DirectSender:
     def close(self) -> None:
         """Stop writing. With ``protocol_ends_message``, the rest of a frame cut short goes to the transport.
 
-        A ws reply that fails mid-message is closed with 1011 by the websockets protocol, through the
-        transport: a close frame inside a frame's payload would be read as payload, so the frame is
-        completed first (the message itself never is: no frame with FIN follows). An HTTP response
-        that fails is cut off by uvicorn instead, so a cut frame stays cut.
+        A ws reply that fails mid-message is ended by the websockets protocol with a last frame that
+        carries the error text, through the transport: a frame (or a pong) inside a frame's payload
+        would be read as payload, so the frame is completed first. An HTTP response that fails is cut
+        off by uvicorn instead, so a cut frame stays cut.
         """
         if self._protocol_ends_message:
             self._to_transport(self._unsent)

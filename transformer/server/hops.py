@@ -78,14 +78,6 @@ def _encoded_args(etl_args: str) -> str:
     return str(httpx.QueryParams({"etl_args": etl_args})) if etl_args else ""
 
 
-def final_destination_is_remote(value: str | None) -> bool:
-    """Whether the last entry of a pipeline list is a destination target (has a path)."""
-    if not value:
-        return False
-    last = value.split(",")[-1].strip()
-    return urlsplit(last).path not in ("", "/")
-
-
 @dataclass
 class HopResult:
     """What the next hop answered: 204 (delivered) or 200 with a body stream to relay."""

@@ -489,7 +489,7 @@ class ShardJob:
 
     def _fail(self, exc: BaseException) -> None:
         # Direct send ends first: what it hands to the transport (the rest of a ws frame cut short)
-        # must go out before the error's own bytes (a ws close frame).
+        # must go out before the error's own bytes (a ws reply's last frame, with the error text).
         self._close_direct()
         self._emit(exc)
 

@@ -10,12 +10,13 @@ Binary frame with FIN clear, continuation frames, the last with FIN set), and AI
 How: uvicorn's websockets (sans-I/O) protocol, subclassed only to put itself into the ASGI scope under
 ``EXTENSION`` and to send one frame of a message. Framing stays websockets' (``send_binary`` /
 ``send_continuation``); flow control stays uvicorn's (``writable`` is cleared while the transport is
-above its high-water mark). A failure after the first frame is a close with 1011 in the middle of the
-message (control frames may interleave with fragments, RFC 6455 section 5.4), which the reader
-reports as an error: never a shorter message. Without the extension (another server or ws
-implementation) the reply is sent whole, as before. With direct send (direct.py) the frames between
-the first and the last are written by the shard's threads; ``threads_write`` keeps this protocol's
-pongs back in the meantime.
+above its high-water mark). A failure after the first frame ends the message with a last frame
+(FIN) that carries the error text, so the connection stays usable for the next request; the reader
+holds a tar cut short followed by bytes that are no tar, which a strict tar reader refuses: never a
+shorter, valid-looking message. Without the extension (another server or ws implementation) the
+reply is sent whole, as before. With direct send (direct.py) the frames between the first and the
+last are written by the shard's threads; ``threads_write`` keeps this protocol's pongs back in the
+meantime.
 """
 
 from __future__ import annotations
@@ -62,13 +63,15 @@ class FragmentingWebSocketProtocol(WebSocketsSansIOProtocol):
         if scope is not None:
             scope["extensions"][EXTENSION] = self
 
-    async def send_frame(self, data: bytes | memoryview, *, first: bool, fin: bool, deadline: float) -> None:
+    async def send_frame(self, data: bytes | memoryview, *, first: bool, fin: bool, deadline: float | None) -> None:
         """One frame of a Binary message: the first opens it, ``fin`` ends it.
 
         Waits while writing is paused (the peer is not reading), until ``deadline`` (``time.monotonic``),
-        then raises ``TimeoutError``.
+        then raises ``TimeoutError``. ``deadline`` None: no wait, the frame goes to the transport's
+        buffer at once (a small error text that ends a message, also after the object timeout, so
+        the next reply on the connection starts at a message boundary).
         """
-        if not self.writable.is_set():
+        if deadline is not None and not self.writable.is_set():
             await asyncio.wait_for(self.writable.wait(), max(0.0, deadline - time.monotonic()))
         if self.disconnected or self.close_sent:
             raise ClientDisconnected()
