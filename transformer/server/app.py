@@ -132,7 +132,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 url += "?latest-ver=true"
             make = lambda rt, job_deadline: HttpSource(rt.client, url, job_deadline)  # noqa: E731
         return await _shard_response(request, make, shard=uname, object_name=object_name, comm="hpull",
-                                     object_path=raw)
+                                     object_path=uname)
 
     def _fqn_source(fqn: str, shard: str, object_name: str, uname: str | None = None):
         def make(rt: Runtime, deadline: float) -> Source:

@@ -3,6 +3,11 @@
 Grammar (contract doc section 4.1): a comma-separated list; an entry **with a URL path** is the
 destination target (direct put, always last), an entry **without a path** is the next ETL stage.
 We classify by that rule and never by response body length, so an empty output is still correct.
+
+Object paths: a destination entry's path is used escaped exactly as it arrived (one segment, AIS's
+``PathEscape(uname)``); the path sent to a next stage is escaped here from the decoded object path
+(``stage_path``), so the stage decodes back the very path this pod was called with, whatever the
+object name holds (spaces, ``#``, ``?``, ``%``, non-ASCII).
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import httpx
 
@@ -47,8 +52,9 @@ NextHop = DirectPutTarget | EtlStage
 def parse_node_url(value: str | None, object_path: str, etl_args: str, ais_target_url: str) -> NextHop | None:
     """The first hop of an ``Ais-Node-Url`` list, or ``None`` when there is none.
 
-    ``object_path`` is the path this pod was called with (``<bucket>/<obj>`` for hpush), forwarded to
-    the next stage unchanged.
+    ``object_path`` is the decoded path this pod was called with (``<bucket>/<obj>`` for hpush, the
+    uname for hpull, the object name for ws); a next stage gets it escaped (``stage_path``) and
+    decodes back the same path.
     """
     if value is None or value == "":
         return None
@@ -70,8 +76,23 @@ def parse_node_url(value: str | None, object_path: str, etl_args: str, ais_targe
         url = f"{target.scheme}://{parts.netloc}{target.path}{parts.path}" + (f"?{query}" if query else "")
         return DirectPutTarget(url=url)
     query = _encoded_args(etl_args)
-    url = f"{parts.scheme}://{parts.netloc}/{object_path.lstrip('/')}" + (f"?{query}" if query else "")
+    url = f"{parts.scheme}://{parts.netloc}/{stage_path(object_path)}" + (f"?{query}" if query else "")
     return EtlStage(url=url, remaining=",".join(rest))
+
+
+def stage_path(object_path: str) -> str:
+    """The decoded object path as the request-target path of a next-stage PUT (after its leading '/').
+
+    Escaped as the aistore SDK's server does (``quote(path, safe="/@")``): every byte outside the
+    unreserved set, '/' and '@' is percent-encoded (UTF-8 for non-ASCII), so ``%`` ``#`` ``?`` and
+    spaces survive and the stage's one percent-decode gives the path back. A leading '/' (an object
+    name that starts with one) is written ``%2F``, so the URL does not begin with '//'.
+    """
+    try:
+        escaped = quote(object_path, safe="/@")
+    except UnicodeEncodeError:  # a lone surrogate, e.g. from a ws control message's "\ud800"
+        raise RequestError(f"object path {object_path!r} is not valid Unicode") from None
+    return "%2F" + escaped[1:] if escaped.startswith("/") else escaped
 
 
 def _encoded_args(etl_args: str) -> str:
