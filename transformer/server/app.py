@@ -429,12 +429,9 @@ class _WsReply:
 
 
 def _http_client(settings: Settings) -> httpx.Client:
-    env = settings.env
-    verify: bool | str = True
-    if env.get("AIS_SKIP_VERIFY_CRT", env.get("AIS_SKIP_VERIFY", "")).lower() in ("true", "1"):
-        verify = False
-    elif env.get("AIS_CLIENT_CA"):
-        verify = env["AIS_CLIENT_CA"]
+    # TLS to AIS targets (hpull fetch, size check, direct put): AIS_CLIENT_CA, AIS_SKIP_VERIFY_CRT and the
+    # client certificate AIS_CRT + AIS_CRT_KEY (mutual TLS), checked when the settings were read.
+    verify = settings.ais_tls()
     # Idle connections expire before the target's own 6 s idle timeout would close them under us.
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=16, keepalive_expiry=4.0)
     return httpx.Client(verify=verify, limits=limits, follow_redirects=False, timeout=settings.obj_timeout)

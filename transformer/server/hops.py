@@ -12,6 +12,7 @@ object name holds (spaces, ``#``, ``?``, ``%``, non-ASCII).
 
 from __future__ import annotations
 
+import ssl
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -29,6 +30,9 @@ RETRY_REASON_TRANSIENT = "direct-put-transient"
 # Connection-level failures before the destination answered: worth another attempt.
 TRANSIENT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
                     httpx.ReadError, httpx.WriteError, httpx.PoolTimeout)
+# TLS errors that are a connection cut short, not a refusal (those may pass on another attempt).
+_TLS_CUT = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError, ssl.SSLWantReadError,
+            ssl.SSLWantWriteError)
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,9 @@ def put_stream(
             request = client.build_request("PUT", url, content=body(), headers=headers, timeout=timeout)
             response = client.send(request, stream=True)
         except TRANSIENT_ERRORS as exc:
+            if tls_refused(exc):  # a certificate refused: the same on every attempt
+                raise UpstreamError(f"PUT {_short(url)}: {exc.__class__.__name__}: {exc}{https_hint(url, exc)}",
+                                    502, transient=False) from None
             error: Exception = exc
         except httpx.TimeoutException as exc:
             raise UpstreamError(f"PUT {_short(url)}: timed out ({exc.__class__.__name__})", 504) from None
@@ -171,7 +178,37 @@ def put_stream(
 def _transient(url: str, error: Exception) -> UpstreamError:
     if isinstance(error, UpstreamError):
         return error
-    return UpstreamError(f"PUT {_short(url)}: {error.__class__.__name__}: {error}", 502)
+    return UpstreamError(f"PUT {_short(url)}: {error.__class__.__name__}: {error}{https_hint(url, error)}", 502)
+
+
+def tls_refused(exc: BaseException) -> bool:
+    """Whether TLS itself refused the connection (a certificate or an alert), found in the exception's chain."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, ssl.SSLError) and not isinstance(current, _TLS_CUT):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def https_hint(url: str, exc: BaseException) -> str:
+    """What to check after a failed https call to an AIS target ('' for http or an ordinary failure).
+
+    A target that requires a client certificate and gets none may just close the connection after the
+    handshake (TLS 1.3 checks the client's certificate only then), which alone reads as a dropped
+    connection.
+    """
+    if not url.startswith("https://"):
+        return ""
+    if tls_refused(exc):
+        return " (TLS refused: check AIS_CLIENT_CA or AIS_SKIP_VERIFY_CRT, and AIS_CRT + AIS_CRT_KEY if the target " \
+               "requires a client certificate)"
+    if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError | httpx.ConnectError):
+        return " (over https: does the target require a client certificate, AIS_CRT + AIS_CRT_KEY, that it did " \
+               "not get or does not accept?)"
+    return ""
 
 
 def _short(url: str) -> str:
