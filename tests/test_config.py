@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import io
 import os
+import ssl
+import subprocess
+import sys
 
 import pytest
 
+from tests.tlscerts import TlsFiles, make_tls_files
 from transformer import config
 from transformer.config import VARIABLES, Settings, available_cpus, parse_duration, settings_table
 from transformer.engine import ERROR_MANIFEST_NAME
 from transformer.errors import ConfigError
 from transformer.spec import build_pipeline
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    return make_tls_files(tmp_path_factory.mktemp("tls"))
 
 
 def test_defaults_match_the_variables_table() -> None:
@@ -30,7 +39,7 @@ def test_defaults_match_the_variables_table() -> None:
     assert settings.ais_target_url == ""
 
 
-def test_every_variable_is_read() -> None:
+def test_every_variable_is_read(tls_files: TlsFiles) -> None:
     env = {
         "ETL_PRESET": "imagenet-val",
         "ETL_TRANSFORMS": '[{"Resize": {"size": 64}}]',
@@ -55,6 +64,10 @@ def test_every_variable_is_read() -> None:
         "ETL_PORT": "8123",
         "ETL_LOG_LEVEL": "DEBUG",
         "AIS_TARGET_URL": "http://target:8080/v1/etl/_object/x/SECRET/",
+        "AIS_CRT": str(tls_files.client_cert),
+        "AIS_CRT_KEY": str(tls_files.client_key),
+        "AIS_CLIENT_CA": str(tls_files.ca),
+        "AIS_SKIP_VERIFY_CRT": "yes",
     }
     assert set(env) == set(VARIABLES)  # this test covers every variable there is
     s = Settings.from_env(env)
@@ -69,6 +82,8 @@ def test_every_variable_is_read() -> None:
     assert s.error_manifest is False and s.direct_send is False
     assert (s.keepalive, s.host, s.port, s.log_level) == (7, "127.0.0.1", 8123, "debug")
     assert s.ais_target_url == "http://target:8080/v1/etl/_object/x/SECRET"
+    assert (s.ais_crt, s.ais_crt_key, s.ais_client_ca) == (env["AIS_CRT"], env["AIS_CRT_KEY"], env["AIS_CLIENT_CA"])
+    assert s.ais_skip_verify is True
 
 
 def test_from_env_reads_the_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -147,6 +162,65 @@ def test_keepalive_must_exceed_the_targets_idle_timeout() -> None:
 def test_boolean_settings(text: str, expected: bool) -> None:
     assert Settings.from_env({"ETL_ERROR_MANIFEST": text}).error_manifest is expected
     assert Settings.from_env({"ETL_DIRECT_SEND": text}).direct_send is expected
+    assert Settings.from_env({"AIS_SKIP_VERIFY_CRT": text}).ais_skip_verify is expected
+    assert Settings.from_env({"AIS_SKIP_VERIFY": text}).ais_skip_verify is expected  # the older name
+
+
+def test_the_newer_skip_verify_name_wins() -> None:
+    assert Settings.from_env({"AIS_SKIP_VERIFY_CRT": "false", "AIS_SKIP_VERIFY": "true"}).ais_skip_verify is False
+    assert Settings.from_env({}).ais_skip_verify is False
+    assert Settings.from_env({}).ais_tls() is True  # nothing set: httpx's own defaults
+
+
+def test_tls_to_the_target_with_a_client_certificate(tls_files: TlsFiles) -> None:
+    settings = Settings.from_env({"AIS_CRT": str(tls_files.client_cert), "AIS_CRT_KEY": str(tls_files.client_key),
+                                  "AIS_CLIENT_CA": str(tls_files.ca)})
+    context = settings.ais_tls()
+    assert isinstance(context, ssl.SSLContext)
+    assert context.verify_mode == ssl.CERT_REQUIRED and context.check_hostname
+    assert [c["subject"] for c in context.get_ca_certs()] == [((("commonName", "wds test CA"),),)]
+    skipping = Settings.from_env({"AIS_SKIP_VERIFY_CRT": "true", "AIS_CLIENT_CA": str(tls_files.ca)}).ais_tls()
+    assert isinstance(skipping, ssl.SSLContext) and skipping.verify_mode == ssl.CERT_NONE
+
+
+@pytest.mark.parametrize(
+    "names, variable, reason",
+    [
+        ({"AIS_CRT": "client_cert"}, "AIS_CRT_KEY", "is required with AIS_CRT"),
+        ({"AIS_CRT_KEY": "client_key"}, "AIS_CRT", "is required with AIS_CRT_KEY"),
+        ({"AIS_CRT": "missing", "AIS_CRT_KEY": "client_key"}, "AIS_CRT", "cannot read"),
+        ({"AIS_CRT": "client_cert", "AIS_CRT_KEY": "missing"}, "AIS_CRT_KEY", "cannot read"),
+        ({"AIS_CRT": "not_pem", "AIS_CRT_KEY": "client_key"}, "AIS_CRT", "not a PEM certificate"),
+        ({"AIS_CRT": "client_cert", "AIS_CRT_KEY": "other_key"}, "AIS_CRT_KEY", "not the unencrypted PEM private key"),
+        ({"AIS_CRT": "client_cert", "AIS_CRT_KEY": "encrypted_key"}, "AIS_CRT_KEY", "not the unencrypted"),
+        ({"AIS_CLIENT_CA": "missing"}, "AIS_CLIENT_CA", "cannot read"),
+        ({"AIS_CLIENT_CA": "not_pem"}, "AIS_CLIENT_CA", "no usable PEM CA certificate"),
+        ({"AIS_SKIP_VERIFY_CRT": "sometimes"}, "AIS_SKIP_VERIFY_CRT", "true or false"),
+        ({"AIS_SKIP_VERIFY": "maybe"}, "AIS_SKIP_VERIFY", "true or false"),
+    ],
+)
+def test_bad_tls_settings_name_the_variable(tls_files: TlsFiles, tmp_path, names: dict[str, str], variable: str,
+                                           reason: str) -> None:
+    (tmp_path / "not.pem").write_text("not a certificate\n")
+    encrypted = tmp_path / "encrypted.key"
+    subprocess.run(["openssl", "pkey", "-in", str(tls_files.client_key), "-aes256", "-passout", "pass:secret",
+                    "-out", str(encrypted)], check=True, capture_output=True, timeout=60)
+    paths = {"missing": str(tmp_path / "missing.pem"), "not_pem": str(tmp_path / "not.pem"),
+             "encrypted_key": str(encrypted)}
+    env = {name: paths.get(key) or str(getattr(tls_files, key, key)) for name, key in names.items()}
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env(env)
+    assert info.value.variable == variable
+    assert reason in info.value.reason, info.value.reason
+
+
+def test_serve_stops_at_start_up_on_a_certificate_without_its_key(tls_files: TlsFiles) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ETL_", "AIS_"))}
+    env["AIS_CRT"] = str(tls_files.client_cert)
+    result = subprocess.run([sys.executable, "-m", "transformer", "serve", "--port", "1"], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "invalid setting AIS_CRT_KEY: is required with AIS_CRT" in result.stderr
 
 
 def test_environment_transforms_are_validated_and_kept_parsed() -> None:

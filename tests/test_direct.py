@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
+import ssl
 import threading
 
 import pytest
@@ -201,12 +203,30 @@ def test_flush_after_try_send_writes_only_the_unfinished_frame() -> None:
 
 
 def test_head_requests_and_foreign_servers_use_the_asgi_path() -> None:
-    transport = object()
+    transport = FakeTransport(None)
     scope = {"method": "GET", "extensions": {direct.EXTENSION: {"transport": transport}}}
     assert direct.transport_of(scope) is transport
     assert direct.transport_of({**scope, "method": "HEAD"}) is None
     assert direct.transport_of({"method": "GET"}) is None
     assert direct.transport_of({"method": "GET", "extensions": {"http.response.trailers": {}}}) is None
+
+
+class TlsTransport(FakeTransport):
+    """An SSL transport as asyncio and uvloop make them: ``socket`` is the raw socket, under the TLS layer."""
+
+    def get_extra_info(self, name: str):
+        return {"socket": self.sock, "sslcontext": ssl.create_default_context()}.get(name)
+
+
+def test_a_tls_connection_is_never_written_directly() -> None:
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        transport = TlsTransport(ours)
+        scope = {"method": "GET", "extensions": {direct.EXTENSION: {"transport": transport}}}
+        assert direct.transport_of(scope) is None
+        assert asyncio.run(direct.drained(transport, 1.0)) is False  # a ws reply's way to direct send
+        with pytest.raises(OSError, match="TLS"):
+            direct.DirectSender(ImmediateLoop(), transport)
 
 
 # --- ws replies (protocol_ends_message): continuation frames, the tail, a frame cut short -------------

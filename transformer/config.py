@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -49,6 +50,13 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "ETL_PORT": ("8000", "Listen port (AIS requires 8000)."),
     "ETL_LOG_LEVEL": ("info", "Log level: debug, info, warning, error."),
     "AIS_TARGET_URL": ("", "Set by AIS: the target's ETL object endpoint (hpull fetch, direct put)."),
+    "AIS_CRT": ("", "Client certificate (PEM file) the pod presents to AIS targets over https (hpull fetch, "
+                "direct put): mutual TLS. Needs AIS_CRT_KEY."),
+    "AIS_CRT_KEY": ("", "Private key (PEM file, not encrypted) of AIS_CRT."),
+    "AIS_CLIENT_CA": ("", "CA certificate(s) (PEM file or folder) that verify AIS targets' certificates; "
+                      "empty = the usual CA bundle."),
+    "AIS_SKIP_VERIFY_CRT": ("false", "true: do not verify AIS targets' certificates (testing only). When unset, "
+                            "the older name AIS_SKIP_VERIFY is read."),
 }
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
@@ -110,6 +118,10 @@ class Settings:
     port: int = 8000
     log_level: str = "info"
     ais_target_url: str = ""
+    ais_crt: str = ""
+    ais_crt_key: str = ""
+    ais_client_ca: str = ""
+    ais_skip_verify: bool = False
     env: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -176,7 +188,12 @@ class Settings:
         if port > 65535:
             raise ConfigError("ETL_PORT", f"{port} is not a TCP port (1-65535)")
         roots = tuple(os.path.realpath(r.strip()) for r in get("ETL_FQN_ROOTS").split(",") if r.strip())
-        return cls(
+        skip_name = "AIS_SKIP_VERIFY_CRT" if "AIS_SKIP_VERIFY_CRT" in env or "AIS_SKIP_VERIFY" not in env \
+            else "AIS_SKIP_VERIFY"
+        skip_verify = env.get(skip_name, "").strip().lower() or "false"
+        if skip_verify not in ("true", "false", "1", "0", "yes", "no"):
+            raise ConfigError(skip_name, "must be true or false")
+        settings = cls(
             preset=preset,
             transforms=transforms,
             dtype=choice("ETL_DTYPE", DTYPES),
@@ -203,8 +220,69 @@ class Settings:
             port=port,
             log_level=level,
             ais_target_url=get("AIS_TARGET_URL").rstrip("/"),
+            ais_crt=get("AIS_CRT"),
+            ais_crt_key=get("AIS_CRT_KEY"),
+            ais_client_ca=get("AIS_CLIENT_CA"),
+            ais_skip_verify=skip_verify in ("true", "1", "yes"),
             env=env,
         )
+        settings.ais_tls()  # an unreadable or mismatched certificate stops the pod here, naming the variable
+        return settings
+
+    def ais_tls(self) -> ssl.SSLContext | bool:
+        """TLS for the pod's calls to AIS targets (https ``AIS_TARGET_URL``), for httpx's ``verify``.
+
+        ``True`` (httpx's defaults) when no TLS variable is set. Otherwise a context that verifies the
+        target with ``AIS_CLIENT_CA`` (or the usual bundle), or not at all with ``AIS_SKIP_VERIFY_CRT``,
+        and presents ``AIS_CRT`` with ``AIS_CRT_KEY`` when the target asks for a client certificate.
+        Raises ``ConfigError`` naming the variable at fault.
+        """
+        if not (self.ais_crt or self.ais_crt_key or self.ais_client_ca or self.ais_skip_verify):
+            return True
+        if self.ais_crt and not self.ais_crt_key:
+            raise ConfigError("AIS_CRT_KEY", "is required with AIS_CRT (the client certificate's private key)")
+        if self.ais_crt_key and not self.ais_crt:
+            raise ConfigError("AIS_CRT", "is required with AIS_CRT_KEY (the client certificate itself)")
+        import httpx
+
+        if self.ais_skip_verify:
+            context = httpx.create_ssl_context(verify=False)
+        elif self.ais_client_ca:
+            context = _verifying_context(self.ais_client_ca)
+        else:
+            context = httpx.create_ssl_context(verify=True)
+        if self.ais_crt:
+            _readable("AIS_CRT", self.ais_crt)
+            _readable("AIS_CRT_KEY", self.ais_crt_key)
+            try:
+                ssl.create_default_context(cafile=self.ais_crt)  # parses every certificate in the file
+            except ssl.SSLError as exc:
+                raise ConfigError("AIS_CRT", f"'{self.ais_crt}' is not a PEM certificate ({exc})") from None
+            try:
+                # No password prompt on a terminal: an encrypted key fails here instead.
+                context.load_cert_chain(self.ais_crt, self.ais_crt_key, password=lambda: b"")
+            except ssl.SSLError as exc:
+                raise ConfigError("AIS_CRT_KEY", f"'{self.ais_crt_key}' is not the unencrypted PEM private key "
+                                  f"of AIS_CRT '{self.ais_crt}' ({exc})") from None
+        return context
+
+
+def _readable(variable: str, path: str) -> None:
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise ConfigError(variable, f"cannot read '{path}': {exc.strerror or exc}") from None
+
+
+def _verifying_context(ca: str) -> ssl.SSLContext:
+    """A client context that trusts exactly the CA certificate(s) in ``ca`` (a PEM file or a folder)."""
+    if not os.path.isdir(ca):
+        _readable("AIS_CLIENT_CA", ca)
+    try:
+        return ssl.create_default_context(capath=ca) if os.path.isdir(ca) else ssl.create_default_context(cafile=ca)
+    except ssl.SSLError as exc:
+        raise ConfigError("AIS_CLIENT_CA", f"'{ca}' holds no usable PEM CA certificate ({exc})") from None
 
 
 def settings_table() -> str:

@@ -71,12 +71,17 @@ class RequestError(TransformerError):
 
 
 class UpstreamError(TransformerError):
-    """An outbound call (hpull fetch, direct put, next pipeline stage) failed."""
+    """An outbound call (hpull fetch, direct put, next pipeline stage) failed.
 
-    def __init__(self, message: str, status: int = 502, body: bytes = b""):
+    ``transient``: another attempt might succeed (False for a refusal that would repeat, such as TLS
+    refusing a certificate).
+    """
+
+    def __init__(self, message: str, status: int = 502, body: bytes = b"", transient: bool = True):
         super().__init__(message)
         self.status = status
         self.body = body
+        self.transient = transient
 
 
 class Cancelled(TransformerError):

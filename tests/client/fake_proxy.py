@@ -26,6 +26,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from decimal import Decimal
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,50 @@ def go_duration(text: str) -> str:
     if minutes:
         return f"{minutes}m{secs}s"
     return f"{secs}s"
+
+
+def k8s_quantity(value: object) -> str:
+    """A K8s resource quantity as the API writes it back (``resource.Quantity``'s canonical form).
+
+    Enough of it for the tests: '0.5' -> '500m', '1000m' -> '1', '1024Mi' -> '1Gi', '1.5Gi' -> '1536Mi'.
+    """
+    match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]?)", str(value).strip())
+    if not match:
+        raise ContractViolation(f"resource quantity {value!r} is not a K8s quantity")
+    number, suffix = Decimal(match.group(1)), match.group(2)
+    if number == 0:
+        return "0"
+    binary = ["", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei"]
+    decimal = ["n", "u", "m", "", "k", "M", "G", "T", "P", "E"]
+    if suffix in binary[1:]:
+        amount = number * 1024 ** binary.index(suffix)
+        if amount == amount.to_integral_value():
+            power = max(p for p in range(len(binary)) if (amount / 1024**p) == (amount / 1024**p).to_integral_value())
+            return f"{int(amount / 1024**power)}{binary[power]}"
+        suffix = ""
+    amount = number * Decimal(10) ** (3 * (decimal.index(suffix) - 3))
+    for index in range(len(decimal) - 1, -1, -1):
+        scaled = amount / Decimal(10) ** (3 * (index - 3))
+        if scaled == scaled.to_integral_value():
+            return f"{int(scaled)}{decimal[index]}"
+    raise ContractViolation(f"resource quantity {value!r} is finer than a nano unit")
+
+
+def as_reported(message: dict[str, Any]) -> dict[str, Any]:
+    """The init message as ``GET /v1/etl/<name>`` returns it (AIS 5.0 ``ETLSpecMsg`` marshalled by Go).
+
+    Durations as Go writes them ('60s' -> '1m0s', defaults 45s/10s filled in); ``support_direct_put``
+    left out when false (``omitempty``); ``resources`` always there (``omitempty`` never drops a Go
+    struct), ``{}`` when none were asked for, with quantities in K8s's canonical form.
+    """
+    shown = {key: value for key, value in message.items() if key not in ("support_direct_put", "resources")}
+    shown["init_timeout"] = go_duration(message.get("init_timeout", "45s"))
+    shown["obj_timeout"] = go_duration(message.get("obj_timeout", "10s"))
+    if message.get("support_direct_put"):
+        shown["support_direct_put"] = True
+    shown["resources"] = {section: {name: k8s_quantity(quantity) for name, quantity in values.items()}
+                          for section, values in (message.get("resources") or {}).items() if values}
+    return shown
 
 
 class FakeProxy:
@@ -214,10 +259,7 @@ class FakeProxy:
             extra = set(r.query) - {"uuid"}
             if extra:
                 raise ContractViolation(f"unexpected query {sorted(extra)} on ETL details")
-            shown = dict(etl.message)
-            shown["obj_timeout"] = go_duration(shown.get("obj_timeout", "10s"))
-            shown["init_timeout"] = go_duration(shown.get("init_timeout", "45s"))
-            return h.json(200, {"init_msg": shown, "obj_errors": []})
+            return h.json(200, {"init_msg": as_reported(etl.message), "obj_errors": []})
         if r.method == "POST" and action == "stop":
             etl.stage = "Aborted"
             return h.reply(200)
@@ -266,6 +308,9 @@ class FakeProxy:
                 raise ContractViolation(f"env entry {env!r} is not {{name: str, value: str}}")
         if "resources" in msg and not set(msg["resources"]) <= {"requests", "limits"}:
             raise ContractViolation("resources holds only requests and limits")
+        for values in (msg.get("resources") or {}).values():
+            for quantity in values.values():
+                k8s_quantity(quantity)  # AIS (K8s's JSON decoding) refuses what is not a quantity
         if name in self.etls:
             return h.error(409, f"etl job {name} already exists")
         self.etls[name] = etl = FakeEtl(msg)

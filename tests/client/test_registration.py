@@ -117,6 +117,56 @@ def test_resources_go_in_the_same_message(ais, proxy: FakeProxy) -> None:
     assert init.body["resources"] == resources and init.body["runtime"]["command"] == ["wds-transform", "serve"]
 
 
+def test_the_fake_proxy_reports_the_whole_init_message_as_ais_does(ais, proxy: FakeProxy) -> None:
+    register(ais, "wds-etl", EtlSettings(image=IMAGE, direct_put=False, obj_timeout="60s"))
+    reported = requests.get(f"{proxy.url}/v1/etl/wds-etl", timeout=10).json()["init_msg"]
+    assert "support_direct_put" not in reported  # Go's omitempty drops false
+    assert reported["resources"] == {}  # a Go struct: never omitted
+    assert reported["obj_timeout"] == "1m0s" and reported["init_timeout"] == "5m0s"
+    assert reported["runtime"] == EtlSettings(image=IMAGE, obj_timeout="60s").init_message("wds-etl")["runtime"]
+    resources = {"requests": {"cpu": "0.5", "memory": "1024Mi"}, "limits": {"cpu": "2", "memory": "1.5Gi"}}
+    register(ais, "other-etl", EtlSettings(image=IMAGE, resources=resources))
+    reported = requests.get(f"{proxy.url}/v1/etl/other-etl", timeout=10).json()["init_msg"]
+    assert reported["support_direct_put"] is True
+    assert reported["resources"] == {"requests": {"cpu": "500m", "memory": "1Gi"},
+                                     "limits": {"cpu": "2", "memory": "1536Mi"}}
+
+
+@pytest.mark.parametrize("running, wanted", [(True, False), (False, True)])
+def test_register_compares_support_direct_put(ais, proxy: FakeProxy, running: bool, wanted: bool) -> None:
+    register(ais, "wds-etl", EtlSettings(image=IMAGE, direct_put=running))
+    with pytest.raises(EtlSpecMismatch, match=f"support_direct_put: running {running}, wanted {wanted}") as info:
+        register(ais, "wds-etl", EtlSettings(image=IMAGE, direct_put=wanted))
+    assert set(info.value.differences) == {"support_direct_put"}
+    assert len(proxy.calls("PUT", "/v1/etl")) == 1
+
+
+def test_register_compares_resources_field_by_field(ais, proxy: FakeProxy) -> None:
+    running = {"requests": {"cpu": "4", "memory": "4Gi"}, "limits": {"cpu": "8", "memory": "8Gi"}}
+    register(ais, "wds-etl", EtlSettings(image=IMAGE, resources=running))
+    wanted = {"requests": {"cpu": "4"}, "limits": {"cpu": "6", "memory": "8Gi", "nvidia.com/gpu": "1"}}
+    with pytest.raises(EtlSpecMismatch, match="resources limits.cpu: running '8', wanted '6'") as info:
+        register(ais, "wds-etl", EtlSettings(image=IMAGE, resources=wanted))
+    assert info.value.differences == {"resources limits.cpu": ("8", "6"),
+                                      "resources limits.nvidia.com/gpu": (None, "1"),
+                                      "resources requests.memory": ("4Gi", None)}
+    with pytest.raises(EtlSpecMismatch) as info:
+        register(ais, "wds-etl", EtlSettings(image=IMAGE))  # none asked for, where the ETL has some
+    assert set(info.value.differences) == {"resources requests.cpu", "resources requests.memory",
+                                           "resources limits.cpu", "resources limits.memory"}
+    result = register(ais, "wds-etl", EtlSettings(image=IMAGE, resources=wanted), replace=True)
+    assert result.created
+
+
+def test_register_takes_equal_quantities_written_differently_as_the_same(ais, proxy: FakeProxy) -> None:
+    register(ais, "wds-etl", EtlSettings(image=IMAGE, resources={"requests": {"cpu": "0.5", "memory": "1024Mi"}}))
+    # AIS reports them as 500m and 1Gi (K8s's canonical form).
+    again = register(ais, "wds-etl", EtlSettings(image=IMAGE, resources={"requests": {"cpu": "500m",
+                                                                                      "memory": "1Gi"}}))
+    assert not again.created
+    assert len(proxy.calls("PUT", "/v1/etl")) == 1
+
+
 def test_unregister_stops_and_deletes(ais, proxy: FakeProxy) -> None:
     register(ais, "wds-etl", EtlSettings(image=IMAGE))
     assert unregister(ais, "wds-etl") is True

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import parse_qsl, quote, unquote
 
 import uvicorn
@@ -166,21 +167,26 @@ async def _read_request(scope: Scope, receive: Receive) -> Recorded:
 
 
 class _Served:
-    """Runs an ASGI app under uvicorn in a daemon thread on a fresh 127.0.0.1 port."""
+    """Runs an ASGI app under uvicorn in a daemon thread on a fresh 127.0.0.1 port.
 
-    def __init__(self, app: Callable) -> None:
+    ``tls``: uvicorn's ``ssl_*`` options, to serve over https (e.g. a target that requires a client
+    certificate: ``ssl_ca_certs`` and ``ssl_cert_reqs=ssl.CERT_REQUIRED``).
+    """
+
+    def __init__(self, app: Callable, **tls: Any) -> None:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", 0))
         self.port: int = self._sock.getsockname()[1]
+        self.scheme = "https" if tls else "http"
         config = uvicorn.Config(app, lifespan="off", log_level="critical", access_log=False,
-                                timeout_graceful_shutdown=1, timeout_keep_alive=30)
+                                timeout_graceful_shutdown=1, timeout_keep_alive=30, **tls)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 10.0) -> None:
         self._thread.start()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,15 +19,17 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from websockets.sync.client import connect
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, BytesMessage, Ping, Pong
 from wsproto.events import Request as WsRequest
 
 from tests.shardgen import imagenet_like_members, make_tar, read_tar
+from tests.tlscerts import TlsFiles, make_tls_files
 
 from .conftest import AisDisk, transformer_env
 from .fake_ais import FakeTarget
-from .harness import Service, args_query, fqn_query, start_transformer
+from .harness import Service, args_query, fqn_query, free_port, start_transformer
 from .test_half_duplex_clients import _shard as half_duplex_shard
 from .test_ws import REPLY_TIMEOUT, control, request, ws_session
 
@@ -190,3 +194,90 @@ def test_pings_through_a_direct_ws_reply_that_fails_and_the_next_reply_on_its_co
     assert following == reference
     after = wait_for_path(service.url, before, "direct")
     assert after.get("direct", 0) - before.get("direct", 0) == 2, "the replies did not go direct: nothing was tested"
+
+
+# --- TLS: uvicorn serving https (its --ssl-certfile) --------------------------------------------------
+
+# `wds-transform serve` has no TLS options; someone running uvicorn with the service's protocols and a
+# certificate gets this server: cli._serve's uvicorn options plus ssl_certfile/ssl_keyfile.
+_TLS_SERVER = """
+import sys
+
+import uvicorn
+
+from transformer.config import Settings
+from transformer.server.direct import DirectSendProtocol
+from transformer.server.wsstream import FragmentingWebSocketProtocol
+
+port, certfile, keyfile = sys.argv[1:4]
+settings = Settings.from_env()
+uvicorn.run("transformer.server:app", host="127.0.0.1", port=int(port), timeout_keep_alive=settings.keepalive,
+            http=DirectSendProtocol, ws=FragmentingWebSocketProtocol,
+            ws_max_size=min(16 * 2**30, max(settings.max_shard_bytes, 2**20)), ws_ping_interval=None,
+            ws_ping_timeout=None, ws_per_message_deflate=False, log_level=settings.log_level, access_log=False,
+            ssl_certfile=certfile, ssl_keyfile=keyfile)
+"""
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    return make_tls_files(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture(scope="module")
+def https_service(target: FakeTarget, disk: AisDisk, logs: Path, tls_files: TlsFiles) -> Iterator[Service]:
+    port = free_port()
+    command = [sys.executable, "-c", _TLS_SERVER, str(port), str(tls_files.server_cert), str(tls_files.server_key)]
+    server = Service("transformer-https", command, transformer_env(target, disk), logs, port)
+    server.url = f"https://127.0.0.1:{port}"
+    verify = ssl.create_default_context(cafile=str(tls_files.ca))
+    deadline = time.monotonic() + 90
+    while True:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"the https server exited:\n{server.log_tail()}")
+        try:
+            if httpx.get(f"{server.url}/health", verify=verify, timeout=1.0).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            server.stop()
+            raise RuntimeError(f"the https server did not start:\n{server.log_tail()}")
+        time.sleep(0.1)
+    yield server
+    server.stop()
+
+
+def test_over_tls_the_output_is_never_written_around_the_tls_layer(service: Service, https_service: Service,
+                                                                   tls_files: TlsFiles, disk: AisDisk) -> None:
+    # A response or ws reply written straight to the socket would bypass the TLS layer: the client
+    # would get plaintext in the middle of the TLS stream. Over https it takes the event loop's path.
+    inputs = imagenet_like_members(16)  # several frames after the first: the part direct send would write
+    shard = make_tar(inputs)
+    fqn = disk.put("train", "tls-send.tar", shard)
+    query = args_query(json.dumps({"preset": "imagenet-train", "seed": 13}))
+    verify = ssl.create_default_context(cafile=str(tls_files.ca))
+    with httpx.Client(timeout=60) as plain, httpx.Client(timeout=60, verify=verify) as https:
+        reference = plain.put(f"{service.url}/train/tls-send.tar?{query}", content=shard)
+        assert reference.status_code == 200, reference.text[:300]
+
+        def paths() -> dict[str, float]:
+            text = https.get(f"{https_service.url}/metrics").text
+            return {sample.labels["path"]: sample.value for family in text_string_to_metric_families(text)
+                    for sample in family.samples if sample.name == "etl_send_path_total"}
+
+        before = paths()
+        by_body = https.put(f"{https_service.url}/train/tls-send.tar?{query}", content=shard)
+        by_fqn = https.put(f"{https_service.url}/train/tls-send.tar?{fqn_query(fqn)}&{query}", content=b"")
+        assert by_body.status_code == by_fqn.status_code == 200, by_body.text[:300]
+        assert by_body.content == by_fqn.content == reference.content
+        with connect(f"wss://127.0.0.1:{https_service.port}/ws", ssl=verify, max_size=None, compression=None,
+                     open_timeout=10, close_timeout=5) as ws:
+            request(ws, "tls-send.tar", fqn=fqn, etl_args=json.dumps({"preset": "imagenet-train", "seed": 13}))
+            assert ws.recv(timeout=REPLY_TIMEOUT) == reference.content
+        deadline = time.monotonic() + 5
+        while (after := paths()).get("loop", 0) - before.get("loop", 0) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert after.get("loop", 0) - before.get("loop", 0) == 3, (before, after)
+    assert after.get("direct", 0) == before.get("direct", 0) and after.get("direct_then_loop", 0) == \
+        before.get("direct_then_loop", 0), (before, after)

@@ -15,6 +15,7 @@ import os
 import tarfile
 import tracemalloc
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -215,6 +216,12 @@ def test_ais_node_url_parser(entries: list[str], path: str, etl_args: str) -> No
     assert hop is None or isinstance(hop, DirectPutTarget | EtlStage)
     if isinstance(hop, DirectPutTarget):
         assert hop.url.startswith(("http://", "https://"))
+    if isinstance(hop, EtlStage):
+        # Any object path reaches the next stage as a valid request target that decodes back to it.
+        target = hop.url.split("://", 1)[1]
+        target = target[target.index("/"):]
+        assert all("!" <= c <= "~" for c in target), target
+        assert unquote(target.split("?", 1)[0]) == "/" + path
 
 
 # ----------------------------------------------------------------------------------------- fqn

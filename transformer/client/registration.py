@@ -22,6 +22,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 import yaml
@@ -199,8 +200,9 @@ def register(client: Client, name: str, settings: EtlSettings, *, replace: bool 
 
     An ETL of that name with the same spec is reused (started again if it was stopped); one with a
     different spec raises ``EtlSpecMismatch`` unless ``replace=True``, which stops, deletes and
-    re-creates it. Compared: communication type, obj_timeout, image, command and environment
-    (AIS does not report ``resources`` or ``support_direct_put`` back).
+    re-creates it. Compared, field by field, with the init message AIS reports: communication type,
+    obj_timeout, ``support_direct_put``, image, command, environment and ``resources`` (quantities
+    by value: ``0.5`` and ``500m`` CPUs, ``1024Mi`` and ``1Gi`` are the same).
     """
     from aistore.sdk.errors import AISError
 
@@ -265,18 +267,26 @@ def _init(etl: Etl, settings: EtlSettings, message: dict[str, Any]) -> str:
 
 
 def _registered_message(etl: Etl) -> dict[str, Any] | None:
-    """The init message AIS holds for this ETL, or ``None`` when it does not exist."""
+    """The init message AIS holds for this ETL, whole, or ``None`` when it does not exist.
+
+    ``GET /v1/etl/<name>`` (what ``Etl.view`` asks) returns the whole init message, but SDK 2.0.0's
+    ``ETLDetails`` model keeps only some of its fields and drops ``support_direct_put`` and
+    ``resources``; so the JSON is read here, through the SDK's own request client (authentication,
+    retries and error mapping stay the SDK's).
+    """
+    from aistore.sdk.const import HTTP_METHOD_GET, QPARAM_UUID, URL_PATH_ETL
     from aistore.sdk.errors import AISError, ErrETLNotFound
 
     try:
-        details = etl.view()
+        response = etl._client.request(HTTP_METHOD_GET, path=f"{URL_PATH_ETL}/{etl.name}", params={QPARAM_UUID: ""})
     except ErrETLNotFound:
         return None
     except AISError as exc:
         if exc.status_code == 404:
             return None
         raise
-    return details.init_msg.model_dump(mode="json")
+    message = response.json().get("init_msg")
+    return message if isinstance(message, dict) else {}
 
 
 def _stage(client: Client, name: str) -> str:
@@ -295,6 +305,8 @@ def _differences(running: dict[str, Any], wanted: dict[str, Any]) -> dict[str, t
 
     compare("communication", _comm(running.get("communication")), _comm(wanted["communication"]))
     compare("obj_timeout", _seconds(running.get("obj_timeout")), _seconds(wanted["obj_timeout"]))
+    # AIS leaves support_direct_put out when false (Go omitempty).
+    compare("support_direct_put", bool(running.get("support_direct_put")), bool(wanted.get("support_direct_put")))
     runtime = running.get("runtime")
     runtime = runtime if isinstance(runtime, dict) else {"image": runtime}
     wanted_runtime = wanted["runtime"]
@@ -304,7 +316,43 @@ def _differences(running: dict[str, Any], wanted: dict[str, Any]) -> dict[str, t
     new_env = {e["name"]: e["value"] for e in wanted_runtime.get("env") or []}
     for key in sorted(set(old_env) | set(new_env)):
         compare(f"env {key}", old_env.get(key), new_env.get(key))
+    # AIS always reports resources ({} when none were asked for) and writes quantities its own way.
+    old_resources, new_resources = _resources(running.get("resources")), _resources(wanted.get("resources"))
+    for section in sorted(set(old_resources) | set(new_resources)):
+        old_section, new_section = old_resources.get(section, {}), new_resources.get(section, {})
+        if not isinstance(old_section, dict) or not isinstance(new_section, dict):
+            if old_section != new_section:
+                differences[f"resources {section}"] = (old_section, new_section)
+            continue
+        for key in sorted(set(old_section) | set(new_section)):
+            old, new = old_section.get(key), new_section.get(key)
+            if old is None or new is None or _quantity(old) != _quantity(new):
+                differences[f"resources {section}.{key}"] = (old, new)
     return differences
+
+
+def _resources(value: object) -> dict[str, Any]:
+    """K8s resource requirements as a plain dict, without empty sections (``{}`` = none asked for)."""
+    plain = _plain(value) if isinstance(value, Mapping) else {}
+    return {section: values for section, values in plain.items() if values not in (None, {}, [])}
+
+
+_QUANTITY = re.compile(r"([+-]?(?:\d+\.?\d*|\.\d+))((?:[eE][+-]?\d+)|Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]?)")
+_SCALE = {"Ki": Decimal(2**10), "Mi": Decimal(2**20), "Gi": Decimal(2**30), "Ti": Decimal(2**40),
+          "Pi": Decimal(2**50), "Ei": Decimal(2**60), "n": Decimal("1e-9"), "u": Decimal("1e-6"),
+          "m": Decimal("1e-3"), "": Decimal(1), "k": Decimal("1e3"), "M": Decimal("1e6"), "G": Decimal("1e9"),
+          "T": Decimal("1e12"), "P": Decimal("1e15"), "E": Decimal("1e18")}
+
+
+def _quantity(value: object) -> object:
+    """A K8s quantity's value ('500m' and '0.5' are equal, so are '1Gi' and '1024Mi'); the text if unparsable."""
+    text = str(value).strip()
+    match = _QUANTITY.fullmatch(text)
+    if not match:
+        return text
+    number, suffix = match.groups()
+    scale = _SCALE[suffix] if suffix in _SCALE else Decimal(10) ** int(suffix[1:])
+    return Decimal(number) * scale
 
 
 def _comm(value: object) -> str:

@@ -132,7 +132,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 url += "?latest-ver=true"
             make = lambda rt, job_deadline: HttpSource(rt.client, url, job_deadline)  # noqa: E731
         return await _shard_response(request, make, shard=uname, object_name=object_name, comm="hpull",
-                                     object_path=raw)
+                                     object_path=uname)
 
     def _fqn_source(fqn: str, shard: str, object_name: str, uname: str | None = None):
         def make(rt: Runtime, deadline: float) -> Source:
@@ -476,12 +476,9 @@ class _WsReply:
 
 
 def _http_client(settings: Settings) -> httpx.Client:
-    env = settings.env
-    verify: bool | str = True
-    if env.get("AIS_SKIP_VERIFY_CRT", env.get("AIS_SKIP_VERIFY", "")).lower() in ("true", "1"):
-        verify = False
-    elif env.get("AIS_CLIENT_CA"):
-        verify = env["AIS_CLIENT_CA"]
+    # TLS to AIS targets (hpull fetch, size check, direct put): AIS_CLIENT_CA, AIS_SKIP_VERIFY_CRT and the
+    # client certificate AIS_CRT + AIS_CRT_KEY (mutual TLS), checked when the settings were read.
+    verify = settings.ais_tls()
     # Idle connections expire before the target's own 6 s idle timeout would close them under us.
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=16, keepalive_expiry=4.0)
     return httpx.Client(verify=verify, limits=limits, follow_redirects=False, timeout=settings.obj_timeout)

@@ -23,6 +23,11 @@ shard's threads write continuation frames (``ws_continuation_frame``) while the 
 pongs back (so none lands inside a frame), and websockets sends the last frame, with FIN: the end of
 the shard, or after a failure the error text, once a frame cut short was completed.
 
+Never over TLS: the socket of a TLS connection (uvicorn with ``--ssl-certfile``) carries ciphertext
+that only the transport's SSL object may write; bytes written to it directly would corrupt the stream.
+Such a connection always takes the event-loop path (``encrypted``: ``transport_of`` and ``drained``
+refuse it, and ``DirectSender`` will not write to it).
+
 The one case the socket cannot serve alone is a half-duplex caller: one that reads the response only
 after it has sent the whole body. If a frame cannot be written for ``STALL_SECONDS`` while the request
 body is still arriving, the unsent rest of the frame goes to uvicorn's transport and the job returns
@@ -59,15 +64,26 @@ class DirectSendProtocol(HttpToolsProtocol):
 
 
 def transport_of(scope: dict) -> asyncio.Transport | None:
-    """The connection's transport when this response may use direct send (a body to send, chunked)."""
+    """The connection's transport when this response may use direct send (a body to send, chunked, no TLS)."""
     extension = (scope.get("extensions") or {}).get(EXTENSION)
     if not extension or scope.get("method") == "HEAD":
         return None
-    return extension.get("transport")
+    transport = extension.get("transport")
+    return None if transport is None or encrypted(transport) else transport
+
+
+def encrypted(transport: asyncio.BaseTransport) -> bool:
+    """Whether the connection is TLS (asyncio's and uvloop's SSL transports name their context and SSL object)."""
+    return transport.get_extra_info("sslcontext") is not None or transport.get_extra_info("ssl_object") is not None
 
 
 async def drained(transport: asyncio.Transport, timeout: float) -> bool:
-    """Wait until uvicorn's transport has written everything it holds; False after ``timeout``."""
+    """Wait until uvicorn's transport has written everything it holds; False after ``timeout``.
+
+    Also False, at once, for a TLS connection: its socket is never written to directly.
+    """
+    if encrypted(transport):
+        return False
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
     while transport.get_write_buffer_size():
@@ -110,6 +126,8 @@ class DirectSender:
                  frame: Callable[[int], tuple[bytes, bytes]] = chunked_frame, protocol_ends_message: bool = False):
         self._loop, self._transport, self._wrap = loop, transport, frame
         self._protocol_ends_message = protocol_ends_message
+        if encrypted(transport):
+            raise OSError("a TLS connection: only its transport may write to the socket")
         raw = transport.get_extra_info("socket")
         if raw is None or raw.fileno() < 0:
             raise OSError("the connection has no open socket")

@@ -3,14 +3,20 @@
 Grammar (contract doc section 4.1): a comma-separated list; an entry **with a URL path** is the
 destination target (direct put, always last), an entry **without a path** is the next ETL stage.
 We classify by that rule and never by response body length, so an empty output is still correct.
+
+Object paths: a destination entry's path is used escaped exactly as it arrived (one segment, AIS's
+``PathEscape(uname)``); the path sent to a next stage is escaped here from the decoded object path
+(``stage_path``), so the stage decodes back the very path this pod was called with, whatever the
+object name holds (spaces, ``#``, ``?``, ``%``, non-ASCII).
 """
 
 from __future__ import annotations
 
+import ssl
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import httpx
 
@@ -24,6 +30,9 @@ RETRY_REASON_TRANSIENT = "direct-put-transient"
 # Connection-level failures before the destination answered: worth another attempt.
 TRANSIENT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
                     httpx.ReadError, httpx.WriteError, httpx.PoolTimeout)
+# TLS errors that are a connection cut short, not a refusal (those may pass on another attempt).
+_TLS_CUT = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError, ssl.SSLWantReadError,
+            ssl.SSLWantWriteError)
 
 
 @dataclass(frozen=True)
@@ -47,8 +56,9 @@ NextHop = DirectPutTarget | EtlStage
 def parse_node_url(value: str | None, object_path: str, etl_args: str, ais_target_url: str) -> NextHop | None:
     """The first hop of an ``Ais-Node-Url`` list, or ``None`` when there is none.
 
-    ``object_path`` is the path this pod was called with (``<bucket>/<obj>`` for hpush), forwarded to
-    the next stage unchanged.
+    ``object_path`` is the decoded path this pod was called with (``<bucket>/<obj>`` for hpush, the
+    uname for hpull, the object name for ws); a next stage gets it escaped (``stage_path``) and
+    decodes back the same path.
     """
     if value is None or value == "":
         return None
@@ -70,8 +80,23 @@ def parse_node_url(value: str | None, object_path: str, etl_args: str, ais_targe
         url = f"{target.scheme}://{parts.netloc}{target.path}{parts.path}" + (f"?{query}" if query else "")
         return DirectPutTarget(url=url)
     query = _encoded_args(etl_args)
-    url = f"{parts.scheme}://{parts.netloc}/{object_path.lstrip('/')}" + (f"?{query}" if query else "")
+    url = f"{parts.scheme}://{parts.netloc}/{stage_path(object_path)}" + (f"?{query}" if query else "")
     return EtlStage(url=url, remaining=",".join(rest))
+
+
+def stage_path(object_path: str) -> str:
+    """The decoded object path as the request-target path of a next-stage PUT (after its leading '/').
+
+    Escaped as the aistore SDK's server does (``quote(path, safe="/@")``): every byte outside the
+    unreserved set, '/' and '@' is percent-encoded (UTF-8 for non-ASCII), so ``%`` ``#`` ``?`` and
+    spaces survive and the stage's one percent-decode gives the path back. A leading '/' (an object
+    name that starts with one) is written ``%2F``, so the URL does not begin with '//'.
+    """
+    try:
+        escaped = quote(object_path, safe="/@")
+    except UnicodeEncodeError:  # a lone surrogate, e.g. from a ws control message's "\ud800"
+        raise RequestError(f"object path {object_path!r} is not valid Unicode") from None
+    return "%2F" + escaped[1:] if escaped.startswith("/") else escaped
 
 
 def _encoded_args(etl_args: str) -> str:
@@ -121,6 +146,9 @@ def put_stream(
             request = client.build_request("PUT", url, content=body(), headers=headers, timeout=timeout)
             response = client.send(request, stream=True)
         except TRANSIENT_ERRORS as exc:
+            if tls_refused(exc):  # a certificate refused: the same on every attempt
+                raise UpstreamError(f"PUT {_short(url)}: {exc.__class__.__name__}: {exc}{https_hint(url, exc)}",
+                                    502, transient=False) from None
             error: Exception = exc
         except httpx.TimeoutException as exc:
             raise UpstreamError(f"PUT {_short(url)}: timed out ({exc.__class__.__name__})", 504) from None
@@ -142,7 +170,37 @@ def put_stream(
 def _transient(url: str, error: Exception) -> UpstreamError:
     if isinstance(error, UpstreamError):
         return error
-    return UpstreamError(f"PUT {_short(url)}: {error.__class__.__name__}: {error}", 502)
+    return UpstreamError(f"PUT {_short(url)}: {error.__class__.__name__}: {error}{https_hint(url, error)}", 502)
+
+
+def tls_refused(exc: BaseException) -> bool:
+    """Whether TLS itself refused the connection (a certificate or an alert), found in the exception's chain."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, ssl.SSLError) and not isinstance(current, _TLS_CUT):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def https_hint(url: str, exc: BaseException) -> str:
+    """What to check after a failed https call to an AIS target ('' for http or an ordinary failure).
+
+    A target that requires a client certificate and gets none may just close the connection after the
+    handshake (TLS 1.3 checks the client's certificate only then), which alone reads as a dropped
+    connection.
+    """
+    if not url.startswith("https://"):
+        return ""
+    if tls_refused(exc):
+        return " (TLS refused: check AIS_CLIENT_CA or AIS_SKIP_VERIFY_CRT, and AIS_CRT + AIS_CRT_KEY if the target " \
+               "requires a client certificate)"
+    if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError | httpx.ConnectError):
+        return " (over https: does the target require a client certificate, AIS_CRT + AIS_CRT_KEY, that it did " \
+               "not get or does not accept?)"
+    return ""
 
 
 def _short(url: str) -> str:

@@ -39,6 +39,7 @@ from .hops import (
     DirectPutTarget,
     EtlStage,
     NextHop,
+    https_hint,
     put_stream,
 )
 from .metrics import Metrics
@@ -105,7 +106,8 @@ class HttpSource(Source):
         except httpx.TimeoutException as exc:
             raise UpstreamError(f"GET {_no_secret(self.url)}: timed out ({exc.__class__.__name__})", 504) from None
         except httpx.HTTPError as exc:
-            raise UpstreamError(f"GET {_no_secret(self.url)}: {exc.__class__.__name__}: {exc}", 502) from None
+            raise UpstreamError(f"GET {_no_secret(self.url)}: {exc.__class__.__name__}: {exc}"
+                                f"{https_hint(self.url, exc)}", 502) from None
 
 
 class ObjectFileSource(FileSource):
@@ -589,7 +591,7 @@ class ShardJob:
             response = put_stream(self.runtime.client, hop.url, self._output, headers={},
                                   deadline=self.deadline, replayable=self.source.replayable)
         except UpstreamError as exc:
-            if not self.source.replayable and exc.status >= 500 and exc.status != 504:
+            if not self.source.replayable and exc.status >= 500 and exc.status != 504 and exc.transient:
                 # The target re-sends a replayable body when asked this way (contract doc 2.1).
                 return Final(503, exc.message.encode(), {HEADER_RETRY_REASON: RETRY_REASON_TRANSIENT})
             raise

@@ -1,0 +1,128 @@
+"""TLS from the pod to AIS targets: CA, skip-verify and a client certificate (mutual TLS).
+
+A TLS cluster gives the pod an ``https://`` ``AIS_TARGET_URL``, and destination entries of
+``Ais-Node-Url`` are https too. Here the fake target is also served over https by a server that
+requires a client certificate signed by a throwaway CA (``tests/tlscerts.py``): the pod's hpull fetch
+and direct put must succeed with ``AIS_CRT`` + ``AIS_CRT_KEY`` and fail with a message that says what
+to check without them.
+"""
+
+from __future__ import annotations
+
+import ssl
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.shardgen import imagenet_like_members, make_tar
+from tests.tlscerts import TlsFiles, make_tls_files
+from transformer.errors import UpstreamError
+from transformer.server.hops import put_stream
+
+from .conftest import AisDisk, transformer_env
+from .fake_ais import FakeTarget, _Served
+from .harness import Service, escaped_uname, fqn_query, start_transformer, uname
+from .outputs import assert_transformed, image_shard
+
+NODE_URL = "Ais-Node-Url"
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    return make_tls_files(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture(scope="module")
+def https_target(target: FakeTarget, tls_files: TlsFiles) -> Iterator[_Served]:
+    """The fake target (same objects, same request log) also on https, client certificate required."""
+    served = _Served(target, ssl_certfile=str(tls_files.server_cert), ssl_keyfile=str(tls_files.server_key),
+                     ssl_ca_certs=str(tls_files.ca), ssl_cert_reqs=ssl.CERT_REQUIRED)
+    served.start()
+    yield served
+    served.stop()
+
+
+def https_env(target: FakeTarget, https_target: _Served, disk: AisDisk, **tls: str) -> dict[str, str]:
+    return transformer_env(target, disk, AIS_TARGET_URL=f"{https_target.base_url}{target.etl_path}", **tls)
+
+
+@pytest.fixture(scope="module")
+def mtls_service(target: FakeTarget, https_target: _Served, tls_files: TlsFiles, disk: AisDisk,
+                 logs: Path) -> Iterator[Service]:
+    env = https_env(target, https_target, disk, AIS_CLIENT_CA=str(tls_files.ca), AIS_CRT=str(tls_files.client_cert),
+                    AIS_CRT_KEY=str(tls_files.client_key))
+    server = start_transformer("transformer-mtls", logs, env)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def no_cert_service(target: FakeTarget, https_target: _Served, tls_files: TlsFiles, disk: AisDisk,
+                    logs: Path) -> Iterator[Service]:
+    env = https_env(target, https_target, disk, AIS_CLIENT_CA=str(tls_files.ca), ETL_OBJ_TIMEOUT="4s")
+    server = start_transformer("transformer-tls-no-cert", logs, env)
+    yield server
+    server.stop()
+
+
+def destination(https_target: _Served, name: str) -> str:
+    return f"{https_target.base_url}/{escaped_uname('dst', name)}?owt=3&uuid=tcb-tls"
+
+
+def test_hpull_fetch_over_mutual_tls(mtls_service: Service, target: FakeTarget) -> None:
+    inputs = imagenet_like_members(2)
+    target.objects[uname("src", "tls/pulled.tar")] = make_tar(inputs)
+    response = httpx.get(f"{mtls_service.url}/{escaped_uname('src', 'tls/pulled.tar')}", timeout=60)
+    assert response.status_code == 200, response.text
+    assert_transformed(inputs, response.content)
+    (fetch,) = target.recorded("GET")
+    assert fetch.raw_path == f"{target.etl_path}/{escaped_uname('src', 'tls/pulled.tar')}"
+
+
+def test_direct_put_over_mutual_tls(mtls_service: Service, target: FakeTarget, https_target: _Served) -> None:
+    inputs = imagenet_like_members(2)
+    response = httpx.put(f"{mtls_service.url}/src/tls-put.tar", content=make_tar(inputs), timeout=60,
+                         headers={NODE_URL: destination(https_target, "tls-put.tar")})
+    assert response.status_code == 204, response.text
+    (put,) = target.recorded("PUT")
+    assert put.raw_path == f"{target.etl_path}/{escaped_uname('dst', 'tls-put.tar')}"
+    assert put.query_pairs[:2] == [("owt", "3"), ("uuid", "tcb-tls")]
+    assert_transformed(inputs, put.body)
+
+
+def test_without_the_client_certificate_the_hpull_fetch_fails_saying_so(no_cert_service: Service,
+                                                                       target: FakeTarget) -> None:
+    target.objects[uname("src", "tls/refused.tar")] = image_shard(1)
+    response = httpx.get(f"{no_cert_service.url}/{escaped_uname('src', 'tls/refused.tar')}", timeout=60)
+    assert response.status_code == 502
+    assert "client certificate" in response.text and "AIS_CRT" in response.text, response.text
+    assert target.secret not in response.text
+    assert target.recorded() == []  # the target never let the request through
+
+
+def test_without_the_client_certificate_a_direct_put_fails_saying_so(no_cert_service: Service, target: FakeTarget,
+                                                                     https_target: _Served, disk: AisDisk) -> None:
+    fqn = disk.put("src", "tls-put-refused.tar", image_shard(1))
+    started = time.monotonic()
+    response = httpx.put(f"{no_cert_service.url}/src/tls-put-refused.tar?{fqn_query(fqn)}", content=b"",
+                         headers={NODE_URL: destination(https_target, "tls-put-refused.tar")}, timeout=60)
+    assert response.status_code == 502  # never 204: nothing was delivered
+    assert "client certificate" in response.text and "AIS_CRT" in response.text, response.text
+    assert time.monotonic() - started < 10  # within the 4 s object timeout, retries included
+    assert target.recorded("PUT") == []
+
+
+def test_a_certificate_refused_by_tls_is_not_retried(https_target: _Served, target: FakeTarget) -> None:
+    # The fake's CA is in no default bundle: verification fails the same way every time, so the put
+    # gives up at once, as a refusal AIS should not ask to re-send either.
+    with httpx.Client() as client:
+        started = time.monotonic()
+        with pytest.raises(UpstreamError) as info:
+            put_stream(client, f"{https_target.base_url}{target.etl_path}/{escaped_uname('dst', 'x.tar')}",
+                       lambda: [b"data"], headers={}, deadline=time.monotonic() + 20, replayable=False)
+    assert time.monotonic() - started < 5
+    assert info.value.status == 502 and info.value.transient is False
+    assert "CERTIFICATE_VERIFY_FAILED" in info.value.message and "AIS_CLIENT_CA" in info.value.message
