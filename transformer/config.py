@@ -54,7 +54,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
                 "direct put): mutual TLS. Needs AIS_CRT_KEY."),
     "AIS_CRT_KEY": ("", "Private key (PEM file, not encrypted) of AIS_CRT."),
     "AIS_CLIENT_CA": ("", "CA certificate(s) (PEM file or folder) that verify AIS targets' certificates; "
-                      "empty = the usual CA bundle."),
+                      "empty = httpx's default bundle (certifi, or SSL_CERT_FILE / SSL_CERT_DIR)."),
     "AIS_SKIP_VERIFY_CRT": ("false", "true: do not verify AIS targets' certificates (testing only). When unset, "
                             "the older name AIS_SKIP_VERIFY is read."),
 }

@@ -1,4 +1,4 @@
-"""Object names with spaces, ``#``, ``?``, ``%``, non-ASCII and folders, end to end (sections 2.1-2.4, 4.1-4.3).
+"""Object names with spaces, ``#``, ``?``, ``%``, non-ASCII and folders, end to end, for every comm type.
 
 Each comm type gets the name in its own shape (hpush ``/<bucket>/<obj>``, hpull one escaped uname
 segment, ws the JSON ``path``), and every path the pod sends on must decode to the same name: the
