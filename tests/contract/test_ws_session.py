@@ -292,11 +292,12 @@ def test_a_failure_after_the_reply_began_ends_the_message_with_the_error_and_the
 
 def test_an_object_timeout_while_transforming_ends_the_reply_with_the_error(impatient: Service,
                                                                            disk: AisDisk) -> None:
-    # A slow transform (a wide blur on every 500x375 photo, ~0.15 s each on two workers) against a
-    # 2 s object timeout: the reply begins, then the shard runs out of time.
-    slow = json.dumps({"transforms": [{"GaussianBlur": {"kernel_size": 61, "sigma": 20.0}},
+    # A slow transform (a blur on every 500x375 photo, some 40 ms each) over 150 samples against a 2 s
+    # object timeout: the first sample's output (64x85 float32, over the 64 KB chunk) begins the reply
+    # at once, even on a loaded machine, and the shard runs out of time later.
+    slow = json.dumps({"transforms": [{"GaussianBlur": {"kernel_size": 31, "sigma": 10.0}},
                                       {"Resize": {"size": 64}}]})
-    fqn = disk.put("train", "ws-slow.tar", make_tar(imagenet_like_members(40, extra=False)))
+    fqn = disk.put("train", "ws-slow.tar", make_tar(imagenet_like_members(150, extra=False)))
     reference = fresh_reply(impatient, "next.tar", content=NEXT)
     with FakeWsSession(ws_url(impatient), connections=2) as session:
         failed = session.submit("ws-slow.tar", connection=0, fqn=fqn, etl_args=slow)
