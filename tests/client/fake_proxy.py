@@ -3,8 +3,9 @@
 It answers what the client uses, as AIS 5.0 does (contract doc section 5: ETL init/list/view/stop/
 start/delete, bucket create/list, object PUT/GET with ``etl_name``), plus dSort (``POST /v1/sort``,
 ``GET /v1/sort?uuid=``, checked against the spec fields of ``ais start dsort`` and the SDK's
-``DsortFramework``). Every request is recorded; every deviation from the contract (method, path,
-query, JSON body) is appended to ``problems`` and answered ``400``, so a test asserts
+``DsortFramework``; input names and missing inputs handled as aisnode v1.5.0 does). Every request
+is recorded; every deviation from the contract (method, path, query, JSON body) is appended to
+``problems`` and answered ``400``, so a test asserts
 ``proxy.problems == []`` as well as its own expectations.
 
 Objects live in an AIS mountpath layout (``<mountpath>/@ais/<bucket>/%ob/<object>``). An object GET
@@ -40,7 +41,7 @@ DURATION = re.compile(r"^(\d+(\.\d+)?(ms|s|m|h))+$")
 INIT_FIELDS = {"name", "communication", "init_timeout", "obj_timeout", "support_direct_put", "env", "runtime",
                "resources"}
 DSORT_FIELDS = {"input_bck", "input_format", "input_extension", "output_bck", "output_format", "output_extension",
-                "algorithm", "description", "output_shard_size", "ekm_file", "ekm_file_sep"}
+                "algorithm", "description", "output_shard_size", "ekm_file", "ekm_file_sep", "dsorter_type"}
 
 
 @dataclass
@@ -470,6 +471,8 @@ class FakeProxy:
             raise ContractViolation(f"algorithm kind {algorithm.get('kind')!r}")
         if not isinstance(algorithm.get("seed", ""), str):
             raise ContractViolation("algorithm.seed must be a string")
+        if spec.get("dsorter_type", "") not in ("", "dsort_general", "dsort_mem"):  # ext/dsort GeneralType, MemType
+            raise ContractViolation(f"dsorter_type {spec['dsorter_type']!r}")
         if not isinstance(spec["output_format"], str) or "{" not in spec["output_format"]:
             raise ContractViolation("output_format must be a template string")
         source = spec["input_format"]
@@ -483,11 +486,14 @@ class FakeProxy:
         bucket = spec["input_bck"]["name"]
         out_bucket = spec.get("output_bck", spec["input_bck"])["name"]
         records: list[list[tuple[str, bytes]]] = []
+        extracted = 0
         for name in inputs:
-            path = self.fqn(bucket, name + ext)
-            if not path.is_file():
-                return h.error(404, f"dsort input ais://{bucket}/{name}{ext} does not exist")
-            records.extend(_records(path.read_bytes()))
+            # AIS 5.0 (ext/dsort extractShard): the extension is appended to template names only; objnames
+            # are whole names. A missing input is skipped (missing_shards "ignore") and not counted.
+            path = self.fqn(bucket, name + ext if "template" in source else name)
+            if path.is_file():
+                records.extend(_records(path.read_bytes()))
+                extracted += 1
         random.Random(algorithm.get("seed") or "0").shuffle(records)
         limit = _size(spec.get("output_shard_size") or "1GiB")
         names = iter(braceexpand(_no_step(spec["output_format"])))
@@ -510,8 +516,9 @@ class FakeProxy:
             "started_time": now, "finish_time": now, "loc-objs": str(len(records)), "loc-bytes": "0",
             "aborted": aborted, "archived": True,
             "Metrics": {
-                "local_extraction": {**phase, "total_count": str(len(inputs)), "extracted_count": str(len(inputs)),
-                                     "extracted_size": "0", "extracted_record_count": str(len(records)),
+                "local_extraction": {**phase, "total_count": str(len(inputs)), "extracted_count": str(extracted),
+                                     "extracted_size": "0",
+                                     "extracted_record_count": str(sum(len(r) for r in records)),  # files
                                      "extracted_to_disk_count": "0", "extracted_to_disk_size": "0"},
                 "meta_sorting": phase,
                 "shard_creation": {**phase, "to_create": "0", "created_count": "0", "moved_shard_count": "0"},
