@@ -13,7 +13,15 @@ datasets -> shards in a bucket), ``shuffle`` (dSort), ``dali`` (external_source 
 from ..integrity import IncompleteShard
 from .convert import ConvertReport, convert
 from .dali import EtlBatchSource, read_etl_shards
-from .errors import ClientError, ConvertError, EtlNameError, EtlSpecMismatch, ShardFetchError, ShuffleError
+from .errors import (
+    ClientError,
+    ConvertError,
+    EtlNameError,
+    EtlRequestError,
+    EtlSpecMismatch,
+    ShardFetchError,
+    ShuffleError,
+)
 from .loader import ErrorCounter, EtlLoader, make_loader
 from .prefetch import CudaPrefetcher, PrefetchStats
 from .reading import open_shard, shard_samples, tarfile_to_whole_samples, whole_shard_samples
@@ -40,6 +48,7 @@ __all__ = [
     "EtlBatchSource",
     "EtlLoader",
     "EtlNameError",
+    "EtlRequestError",
     "EtlSettings",
     "EtlSpecMismatch",
     "PrefetchStats",
