@@ -14,7 +14,8 @@ on 127.0.0.1 with free ports, and one mountpath under the run's folder (AIS's te
 the target has joined. ``LocalCluster.stop`` ends exactly the two processes it started (SIGTERM,
 then SIGKILL); they also get SIGKILL from the kernel if the process that started them dies.
 
-``python -m tests.ais.cluster`` starts one and keeps it up until Ctrl-C, for trying the client by hand.
+``python -m tests.ais.cluster`` starts one and keeps it up until Ctrl-C, for trying the client by hand;
+``--build-only`` builds (or finds) aisnode and prints its path (``make aisnode``).
 """
 
 from __future__ import annotations
@@ -382,6 +383,9 @@ def _wait_ready(cluster: LocalCluster, timeout: float) -> None:
 
 def main() -> int:
     binary = install_aisnode(log=lambda message: print(message, file=sys.stderr))
+    if "--build-only" in sys.argv[1:]:
+        print(binary)
+        return 0
     root = Path(tempfile.mkdtemp(prefix="ais-loopback-"))
     with start_cluster(binary, root) as cluster:
         print(f"AIS proxy: {cluster.url}\nmountpath: {cluster.mountpath}\nlogs: {root}/{{proxy,target}}/log\n"
