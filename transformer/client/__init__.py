@@ -7,7 +7,8 @@ only when a DALI pipeline is built.
 Modules: ``registration`` (EtlSettings, register/unregister, runtime spec YAML), ``urls`` (etl_args,
 shard and pod URLs), ``reading`` (whole shards: end marker checked, a cut one continued),
 ``loader`` (make_loader), ``prefetch`` (CudaPrefetcher), ``convert`` (folder
-datasets -> shards in a bucket), ``shuffle`` (dSort), ``dali`` (external_source feeder).
+datasets -> shards in a bucket), ``shuffle`` (dSort), ``offline`` (an ETL'd copy of a bucket, job
+errors, pod logs), ``dali`` (external_source feeder).
 """
 
 from ..integrity import IncompleteShard
@@ -23,6 +24,14 @@ from .errors import (
     ShuffleError,
 )
 from .loader import ErrorCounter, EtlLoader, make_loader
+from .offline import (
+    OfflineJob,
+    OfflineOptionsMismatch,
+    check_offline_options,
+    etl_logs,
+    object_errors,
+    transform_bucket,
+)
 from .prefetch import CudaPrefetcher, PrefetchStats
 from .reading import open_shard, shard_samples, tarfile_to_whole_samples, whole_shard_samples
 from .registration import (
@@ -51,18 +60,23 @@ __all__ = [
     "EtlRequestError",
     "EtlSettings",
     "EtlSpecMismatch",
+    "OfflineJob",
+    "OfflineOptionsMismatch",
     "PrefetchStats",
     "Registration",
     "ShardFetchError",
     "ShuffleError",
     "ShuffleResult",
+    "check_offline_options",
     "convert",
     "dsort_framework",
     "encode_etl_args",
     "etl_args",
+    "etl_logs",
     "make_loader",
     "measure_seconds_per_image",
     "obj_timeout_for",
+    "object_errors",
     "open_shard",
     "IncompleteShard",
     "shard_samples",
@@ -76,6 +90,7 @@ __all__ = [
     "set_etl_args",
     "shard_urls",
     "shuffle_shards",
+    "transform_bucket",
     "unregister",
     "validate_name",
 ]
