@@ -17,14 +17,17 @@ from tests.client.test_convert import make_pets
 from tests.contract.harness import base_env
 from tests.shardgen import jpeg_bytes
 from transformer.client import (
+    ClientError,
     EtlRequestError,
     EtlSettings,
     ShuffleError,
     convert,
+    etl_logs,
     make_loader,
     register,
     shard_urls,
     shuffle_shards,
+    transform_bucket,
     unregister,
 )
 
@@ -251,3 +254,20 @@ def test_train_example_runs_its_non_etl_steps_against_aisnode(ais_cluster: Local
     assert "error: ETL 'wds-etl': registration at" in full.stderr
     assert any(message in full.stderr for message in NO_KUBERNETES) and "Traceback" not in full.stderr
     assert "cannot run ETLs" in full.stderr
+
+
+def test_offline_copy_logs_and_etld_reads_on_a_cluster_without_kubernetes(ais_client, uploaded, caplog) -> None:
+    """What a user meets on a cluster that cannot run the ETL: each request fails with the cluster's words."""
+    bucket, _ = uploaded
+    with pytest.raises(ClientError, match="ETL 'wds-etl' is not registered"):  # checked before any job starts
+        transform_bucket(ais_client, "wds-etl", bucket, "never-made", options={"preset": "imagenet-val"})
+    with pytest.raises(EtlRequestError) as logs:
+        etl_logs(ais_client, "wds-etl")
+    assert logs.value.ais_message in NO_KUBERNETES and logs.value.node.startswith("t[")
+    urls = shard_urls(ais_client, bucket, "wds-etl", template="samples-{00..01}.tar", pipeline=["wds-etl-next"])
+    assert all(url.endswith("&etl_name=wds-etl&etl_pipeline=wds-etl-next") for url in urls)
+    loader = make_loader(urls, 2, keys=("__key__", "cls"), num_workers=0, shuffle_buffer=0, retries=0)
+    with caplog.at_level("WARNING", logger="transformer.client"):
+        assert list(loader) == []
+    assert loader.errors.count == 2
+    assert caplog.text.count("HTTP 404: ") == 2 and "wds-etl does not exist - try starting new ETL" in caplog.text
