@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= server,client,demo,bench,dali,test
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test aisnode lint clean
 
 install: $(VENV)/.installed
 
@@ -19,8 +19,13 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	PY=$(PY) bash scripts/demo.sh
 
+# The 'ais' tests (part of `make test`) run a real AIStore on 127.0.0.1: aisnode is built once with Go >= 1.26
+# into ~/.cache/ais-wds-transformer (tests/ais/cluster.py); `make aisnode` builds it ahead of a test run.
 test: install
 	$(PY) -m pytest -q
+
+aisnode: install
+	$(PY) -m tests.ais.cluster --build-only
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -13,6 +13,10 @@ Two ways to run it:
 
       python examples/train.py --ais-endpoint http://ais-proxy:51080 --image REGISTRY/ais-wds-transformer:0.1.0
 
+  With ``--no-etl`` it stops before the ETL: upload, list, and read every sample back directly
+  (checking each arrives once). That part runs on any AIS cluster; registering an ETL needs AIS
+  deployed in Kubernetes, and on a cluster without it the example stops with the cluster's message.
+
 The dataset is ``--data`` in a ``--layout`` that ``transformer.client.convert`` reads (``folders``,
 ``pets`` or ``labels``); without ``--data`` a small demo dataset of four classes is made from the
 photographs bundled with scikit-image. The service sends uint8 images (4x fewer bytes than float32);
@@ -41,6 +45,7 @@ from PIL import Image
 from transformer.client import (
     CudaPrefetcher,
     EpochUrls,
+    EtlRequestError,
     EtlSettings,
     convert,
     etl_args,
@@ -69,6 +74,8 @@ def main() -> int:
     parser.add_argument("--shard-size", type=int, default=16, help="samples per shard")
     parser.add_argument("--arch", default="resnet18", help="a torchvision.models classifier")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-etl", action="store_true",
+                        help="AIS mode: upload, list and read the shards back directly; no ETL, no training")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     torch.manual_seed(args.seed)
@@ -80,8 +87,14 @@ def main() -> int:
         wire = etl_args(preset=args.preset, dtype="uint8")
         settings = EtlSettings(image=args.image, comm_type="hpull", preset=args.preset, dtype="uint8",
                                images_per_shard=args.shard_size)
+        if args.ais_endpoint and args.no_etl:
+            return check_without_etl(args, data)
         if args.ais_endpoint:
-            urls, classes = from_ais(args, data, settings, wire)
+            try:
+                urls, classes = from_ais(args, data, settings, wire)
+            except EtlRequestError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
         else:
             urls, classes = local(args, data, wire, workdir, cleanup)
             print("On an AIS cluster this ETL would be registered with this runtime spec (ais etl init -f):")
@@ -152,8 +165,8 @@ def start_service(mountpath: Path, workdir: Path, cleanup: ExitStack, timeout: f
     raise SystemExit(f"the service was not healthy within {timeout:.0f}s")
 
 
-def from_ais(args, data: Path, settings: EtlSettings, wire: dict) -> tuple[EpochUrls, int]:
-    """Upload the shards, register (or reuse) the ETL, list the ETL'd URLs through the cluster."""
+def upload(args, data: Path):
+    """Convert the dataset into shards under ais://<bucket>/train/; returns the SDK client and the report."""
     from aistore.sdk import Client
 
     client = Client(args.ais_endpoint)
@@ -161,6 +174,28 @@ def from_ais(args, data: Path, settings: EtlSettings, wire: dict) -> tuple[Epoch
     report = convert(data, layout=args.layout, labels_file=args.labels_file, bucket=bucket, prefix="train/",
                      max_samples=args.shard_size)
     print(f"uploaded {report.samples} samples in {len(report.shards)} shards to ais://{args.bucket}/train/")
+    return client, report
+
+
+def check_without_etl(args, data: Path) -> int:
+    """Upload, list the raw shards, and read every sample back through the cluster (no ETL)."""
+    client, report = upload(args, data)
+    urls = shard_urls(client, args.bucket, None, prefix="train/")
+    print(f"listed {len(urls)} shards in ais://{args.bucket}/train/")
+    loader = make_loader(urls, args.batch_size, keys=("__key__", "cls"), num_workers=args.workers,
+                         shuffle_buffer=0, require_marker=False)  # source shards carry no ETL end marker
+    keys = [key for batch_keys, _ in loader for key in batch_keys]
+    duplicates = len(keys) - len(set(keys))
+    print(f"read back {len(keys)} samples ({len(set(keys))} distinct) directly, loader errors {loader.errors.count}")
+    if len(keys) != report.samples or duplicates or loader.errors.count:
+        print(f"error: uploaded {report.samples} samples, read {len(keys)} ({duplicates} repeated)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def from_ais(args, data: Path, settings: EtlSettings, wire: dict) -> tuple[EpochUrls, int]:
+    """Upload the shards, register (or reuse) the ETL, list the ETL'd URLs through the cluster."""
+    client, report = upload(args, data)
     registration = register(client, args.etl_name, settings)
     print(f"ETL {args.etl_name}: {'registered' if registration.created else 'already registered, reused'}")
     urls = shard_urls(client, args.bucket, args.etl_name, prefix="train/")

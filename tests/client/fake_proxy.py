@@ -3,8 +3,9 @@
 It answers what the client uses, as AIS 5.0 does (contract doc section 5: ETL init/list/view/stop/
 start/delete, bucket create/list, object PUT/GET with ``etl_name``), plus dSort (``POST /v1/sort``,
 ``GET /v1/sort?uuid=``, checked against the spec fields of ``ais start dsort`` and the SDK's
-``DsortFramework``). Every request is recorded; every deviation from the contract (method, path,
-query, JSON body) is appended to ``problems`` and answered ``400``, so a test asserts
+``DsortFramework``; input names and missing inputs handled as aisnode v1.5.0 does). Every request
+is recorded; every deviation from the contract (method, path, query, JSON body) is appended to
+``problems`` and answered ``400``, so a test asserts
 ``proxy.problems == []`` as well as its own expectations.
 
 Objects live in an AIS mountpath layout (``<mountpath>/@ais/<bucket>/%ob/<object>``). An object GET
@@ -16,6 +17,7 @@ loaders read from the real transformer service. Object PUTs are redirected proxy
 
 from __future__ import annotations
 
+import base64
 import http.client
 import io
 import json
@@ -40,7 +42,7 @@ DURATION = re.compile(r"^(\d+(\.\d+)?(ms|s|m|h))+$")
 INIT_FIELDS = {"name", "communication", "init_timeout", "obj_timeout", "support_direct_put", "env", "runtime",
                "resources"}
 DSORT_FIELDS = {"input_bck", "input_format", "input_extension", "output_bck", "output_format", "output_extension",
-                "algorithm", "description", "output_shard_size", "ekm_file", "ekm_file_sep"}
+                "algorithm", "description", "output_shard_size", "ekm_file", "ekm_file_sep", "dsorter_type"}
 
 
 @dataclass
@@ -57,6 +59,7 @@ class FakeEtl:
     message: dict[str, Any]
     stage: str = "Running"
     xaction: str = field(default_factory=lambda: "etl-" + uuid.uuid4().hex[:8])
+    job_errors: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # offline job id -> obj_errors
 
 
 def path_escape(text: str) -> str:
@@ -133,6 +136,8 @@ class FakeProxy:
         self.dsort_jobs: dict[str, dict[str, Any]] = {}
         self.dsort_error: str | None = None  # set to make the next dSort job abort with this error
         self.relay_cuts: dict[str, int] = {}  # object name -> bytes after which the pod's body breaks, once
+        self.jobs: dict[str, dict[str, Any]] = {}  # offline transform job id -> {kind, err, end_time, aborted}
+        self.pod_logs = ""  # what GET /v1/etl/<name>/logs answers for the one target
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -239,6 +244,8 @@ class FakeProxy:
             return self._object_proxy(h, r, path)
         if path == "/v1/sort":
             return self._dsort(h, r)
+        if path == "/v1/cluster":
+            return self._cluster(h, r)
         raise ContractViolation(f"no such AIS endpoint {r.method} {path}")
 
     # ---- ETL (contract doc section 5.1) ---------------------------------------------------------
@@ -259,7 +266,13 @@ class FakeProxy:
             extra = set(r.query) - {"uuid"}
             if extra:
                 raise ContractViolation(f"unexpected query {sorted(extra)} on ETL details")
-            return h.json(200, {"init_msg": as_reported(etl.message), "obj_errors": []})
+            job = r.query.get("uuid", [""])[-1]
+            return h.json(200, {"init_msg": as_reported(etl.message),
+                                "obj_errors": etl.job_errors.get(job, []) if job else []})
+        if r.method == "GET" and action == "logs":
+            # AIS: one entry per target, the pod's log base64-encoded (ais/prxetl.go logsETL).
+            logs = base64.b64encode(self.pod_logs.encode()).decode()
+            return h.json(200, [{"target_id": "t1", "logs": logs}])
         if r.method == "POST" and action == "stop":
             etl.stage = "Aborted"
             return h.reply(200)
@@ -335,7 +348,74 @@ class FakeProxy:
             return h.reply(200)
         if r.method == "GET" and action["action"] == "list":
             return self._list(h, r, bucket, action["value"])
+        if r.method == "POST" and action["action"] == "etl-bck":
+            return self._transform_bucket(h, r, bucket, action["value"])
         raise ContractViolation(f"unexpected bucket action {action['action']!r} with {r.method}")
+
+    def _transform_bucket(self, h: Any, r: Recorded, bucket: str, value: dict[str, Any]) -> None:
+        """An offline bucket-to-bucket transform (``etl-bck``), run to the end before answering.
+
+        As AIS 5.0's target does for an ``hpush://`` ETL whose destination target is itself: each object is
+        PUT to the pod with ``etl_fqn`` and no ``etl_args`` (``apc.Transform`` has none), and a ``200`` body is
+        stored under the destination name (``ext`` maps extensions). A pod error is recorded as the object's
+        error; with ``coer`` the job goes on, without it the job aborts.
+        """
+        to = r.query.get("bck_to", [""])[-1]
+        if not re.fullmatch(r"ais/@#/[^/]+/", to):
+            raise ContractViolation(f"bck_to {to!r} is not ais/@#/<bucket>/")
+        # api/apc/tcbtco.go TCBMsg with Transform inlined ({id, pipeline, request_timeout}): no etl_args.
+        unknown = set(value) - {"id", "pipeline", "request_timeout", "ext", "num-workers", "coer", "prefix", "prepend",
+                                "dry_run", "force", "latest-ver", "synchronize"}
+        if unknown:
+            raise ContractViolation(f"unknown etl-bck fields {sorted(unknown)}")
+        etl = self.etls.get(value.get("id", ""))
+        if etl is None:
+            return h.error(404, f"etl job {value.get('id')!r} does not exist")
+        if bucket not in self.buckets:
+            return h.error(404, f"bucket \"ais://{bucket}\" does not exist")
+        if self.pod_url is None or etl.message["communication"] != "hpush://":
+            return h.error(501, "this fake target runs offline transforms of hpush:// ETLs only")
+        destination = to.split("/")[2]
+        job = "etl-bck-" + uuid.uuid4().hex[:8]
+        errors: list[dict[str, Any]] = []
+        aborted = False
+        pod = urlsplit(self.pod_url)
+        for name in self.objects(bucket):
+            if not name.startswith(value.get("prefix", "")):
+                continue
+            query = urlencode([("etl_fqn", path_escape(str(self.fqn(bucket, name))))])
+            conn = http.client.HTTPConnection(pod.hostname, pod.port, timeout=60)
+            conn.request("PUT", f"/{quote(bucket)}/{quote(name)}?{query}", body=b"", headers={"Content-Length": "0"})
+            response = conn.getresponse()
+            body = response.read()
+            conn.close()
+            if response.status == 200:
+                stem, dot, ext = name.rpartition(".")
+                mapped = (value.get("ext") or {}).get(ext)
+                self.put_object(destination, value.get("prepend", "") + (f"{stem}.{mapped}" if dot and mapped
+                                                                          else name), body)
+                continue
+            errors.append({"obj_name": name, "msg": f"ETL error: {body.decode('utf-8', 'replace')}",
+                           "ecode": response.status})
+            if not value.get("coer"):
+                aborted = True
+                break
+        etl.job_errors[job] = errors
+        self.jobs[job] = {"kind": "etl-bck", "err": errors[0]["msg"] if aborted else "", "aborted": aborted,
+                          "end_time": time.time_ns()}
+        h.reply(200, job.encode())
+
+    def _cluster(self, h: Any, r: Recorded) -> None:
+        if r.method != "GET" or r.query.get("what") != ["status"]:
+            raise ContractViolation(f"{r.method} /v1/cluster?{r.query} is not used by the client")
+        args = r.body if isinstance(r.body, dict) else {}
+        job = self.jobs.get(args.get("ID", ""))  # the SDK's JobArgs: {ID, Kind, DaemonID, Bck, Buckets}
+        if job is None:
+            return h.error(404, f"job {args!r} not found")
+        if args.get("Kind") not in ("", None, job["kind"]):
+            raise ContractViolation(f"job kind {args.get('Kind')!r}, the job is {job['kind']}")
+        return h.json(200, {"uuid": args["ID"], "err": job["err"], "aborted": job["aborted"],
+                            "end_time": job["end_time"]})
 
     def _list(self, h: Any, r: Recorded, bucket: str, value: dict[str, Any]) -> None:
         expected = {"prefix", "pagesize", "uuid", "props", "continuation_token", "flags", "target"}
@@ -470,6 +550,8 @@ class FakeProxy:
             raise ContractViolation(f"algorithm kind {algorithm.get('kind')!r}")
         if not isinstance(algorithm.get("seed", ""), str):
             raise ContractViolation("algorithm.seed must be a string")
+        if spec.get("dsorter_type", "") not in ("", "dsort_general", "dsort_mem"):  # ext/dsort GeneralType, MemType
+            raise ContractViolation(f"dsorter_type {spec['dsorter_type']!r}")
         if not isinstance(spec["output_format"], str) or "{" not in spec["output_format"]:
             raise ContractViolation("output_format must be a template string")
         source = spec["input_format"]
@@ -483,11 +565,14 @@ class FakeProxy:
         bucket = spec["input_bck"]["name"]
         out_bucket = spec.get("output_bck", spec["input_bck"])["name"]
         records: list[list[tuple[str, bytes]]] = []
+        extracted = 0
         for name in inputs:
-            path = self.fqn(bucket, name + ext)
-            if not path.is_file():
-                return h.error(404, f"dsort input ais://{bucket}/{name}{ext} does not exist")
-            records.extend(_records(path.read_bytes()))
+            # AIS 5.0 (ext/dsort extractShard): the extension is appended to template names only; objnames
+            # are whole names. A missing input is skipped (missing_shards "ignore") and not counted.
+            path = self.fqn(bucket, name + ext if "template" in source else name)
+            if path.is_file():
+                records.extend(_records(path.read_bytes()))
+                extracted += 1
         random.Random(algorithm.get("seed") or "0").shuffle(records)
         limit = _size(spec.get("output_shard_size") or "1GiB")
         names = iter(braceexpand(_no_step(spec["output_format"])))
@@ -510,8 +595,9 @@ class FakeProxy:
             "started_time": now, "finish_time": now, "loc-objs": str(len(records)), "loc-bytes": "0",
             "aborted": aborted, "archived": True,
             "Metrics": {
-                "local_extraction": {**phase, "total_count": str(len(inputs)), "extracted_count": str(len(inputs)),
-                                     "extracted_size": "0", "extracted_record_count": str(len(records)),
+                "local_extraction": {**phase, "total_count": str(len(inputs)), "extracted_count": str(extracted),
+                                     "extracted_size": "0",
+                                     "extracted_record_count": str(sum(len(r) for r in records)),  # files
                                      "extracted_to_disk_count": "0", "extracted_to_disk_size": "0"},
                 "meta_sorting": phase,
                 "shard_creation": {**phase, "to_create": "0", "created_count": "0", "moved_shard_count": "0"},

@@ -196,3 +196,25 @@ def test_fake_proxy_flags_a_message_ais_would_misread(proxy: FakeProxy) -> None:
     assert response.status_code == 400 and "argument" in response.text
     assert proxy.problems
     proxy.problems.clear()
+
+
+def test_ais_refusals_become_etl_request_errors_with_the_clusters_message() -> None:
+    from aistore.sdk.errors import AISError
+
+    from transformer.client import EtlRequestError
+    from transformer.client.registration import ais_errors
+
+    body = ('{"message":"use ETL in a build without ETL support","method":"PUT","url_path":"/v1/etl",'
+            '"node":"p[xyz]","status":501}')
+    with pytest.raises(EtlRequestError) as failure, ais_errors("wds-etl", "registration"):
+        raise AISError(501, body, "http://10.0.0.1:51080/v1/etl", None)
+    error = failure.value
+    assert (error.status, error.node, error.ais_message) == (501, "p[xyz]", "use ETL in a build without ETL support")
+    assert str(error).startswith("ETL 'wds-etl': registration at http://10.0.0.1:51080 failed (HTTP 501 from "
+                                 "p[xyz]): use ETL in a build without ETL support. This aisnode was built without")
+    assert error.cannot_run_etl
+    with pytest.raises(EtlRequestError) as other, ais_errors("wds-etl", "registration"):
+        raise AISError(409, "etl wds-etl already exists", "http://10.0.0.1:51080/v1/etl", None)
+    assert str(other.value) == ("ETL 'wds-etl': registration at http://10.0.0.1:51080 failed (HTTP 409): "
+                                "etl wds-etl already exists")
+    assert not other.value.cannot_run_etl

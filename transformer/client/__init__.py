@@ -7,14 +7,31 @@ only when a DALI pipeline is built.
 Modules: ``registration`` (EtlSettings, register/unregister, runtime spec YAML), ``urls`` (etl_args,
 shard and pod URLs), ``reading`` (whole shards: end marker checked, a cut one continued),
 ``loader`` (make_loader), ``prefetch`` (CudaPrefetcher), ``convert`` (folder
-datasets -> shards in a bucket), ``shuffle`` (dSort), ``dali`` (external_source feeder).
+datasets -> shards in a bucket), ``shuffle`` (dSort), ``offline`` (an ETL'd copy of a bucket, job
+errors, pod logs), ``dali`` (external_source feeder).
 """
 
 from ..integrity import IncompleteShard
 from .convert import ConvertReport, convert
 from .dali import EtlBatchSource, read_etl_shards
-from .errors import ClientError, ConvertError, EtlNameError, EtlSpecMismatch, ShardFetchError, ShuffleError
+from .errors import (
+    ClientError,
+    ConvertError,
+    EtlNameError,
+    EtlRequestError,
+    EtlSpecMismatch,
+    ShardFetchError,
+    ShuffleError,
+)
 from .loader import ErrorCounter, EtlLoader, make_loader
+from .offline import (
+    OfflineJob,
+    OfflineOptionsMismatch,
+    check_offline_options,
+    etl_logs,
+    object_errors,
+    transform_bucket,
+)
 from .prefetch import CudaPrefetcher, PrefetchStats
 from .reading import open_shard, shard_samples, tarfile_to_whole_samples, whole_shard_samples
 from .registration import (
@@ -40,20 +57,26 @@ __all__ = [
     "EtlBatchSource",
     "EtlLoader",
     "EtlNameError",
+    "EtlRequestError",
     "EtlSettings",
     "EtlSpecMismatch",
+    "OfflineJob",
+    "OfflineOptionsMismatch",
     "PrefetchStats",
     "Registration",
     "ShardFetchError",
     "ShuffleError",
     "ShuffleResult",
+    "check_offline_options",
     "convert",
     "dsort_framework",
     "encode_etl_args",
     "etl_args",
+    "etl_logs",
     "make_loader",
     "measure_seconds_per_image",
     "obj_timeout_for",
+    "object_errors",
     "open_shard",
     "IncompleteShard",
     "shard_samples",
@@ -67,6 +90,7 @@ __all__ = [
     "set_etl_args",
     "shard_urls",
     "shuffle_shards",
+    "transform_bucket",
     "unregister",
     "validate_name",
 ]

@@ -46,3 +46,46 @@ class ConvertError(ClientError):
 
 class ShuffleError(ClientError):
     """A dSort shuffle job failed, was aborted or timed out."""
+
+
+class EtlRequestError(ClientError):
+    """AIS refused an ETL request; carries the cluster's own message, and what it means when it is known.
+
+    A cluster that cannot run ETLs at all says so on the first ETL request: outside Kubernetes ("the
+    operation requires Kubernetes", or "k8s client is not initialized" from a target), or from an
+    ``aisnode`` built without ETL support.
+    """
+
+    def __init__(self, name: str, action: str, endpoint: str, status: int | None, ais_message: str,
+                 node: str = ""):
+        where = f"HTTP {status}" if status is not None else "no HTTP status"
+        if node:
+            where += f" from {node}"
+        hint = etl_hint(ais_message)
+        super().__init__(f"ETL '{name}': {action} at {endpoint} failed ({where}): {ais_message}"
+                         + (f". {hint}" if hint else ""))
+        self.name = name
+        self.action = action
+        self.status = status
+        self.ais_message = ais_message
+        self.node = node
+        self.cannot_run_etl = bool(hint)
+
+
+_NO_KUBERNETES = ("requires kubernetes", "k8s client is not initialized", "non-kubernetes deployment")
+_NOT_BUILT = ("build without etl support",)
+
+
+def etl_hint(ais_message: str) -> str:
+    """What an AIS error about ETL means for the user, or '' when it is not one of the known refusals."""
+    text = ais_message.lower()
+    if any(phrase in text for phrase in _NO_KUBERNETES):
+        return ("This AIS cluster cannot run ETLs: AIS starts each ETL pod through the Kubernetes API, next to "
+                "every target, and these nodes do not run in Kubernetes. Register it on an AIS cluster deployed "
+                "in Kubernetes (aisnode images with ETL support: aistorage/aisnode:<version>-etl); here, read "
+                "the shards without ETL: shard_urls(client, bucket, None, ...) and make_loader(..., "
+                "require_marker=False)")
+    if any(phrase in text for phrase in _NOT_BUILT):
+        return ("This aisnode was built without ETL support (Go build tag 'etl'; AIS images with it: "
+                "aistorage/aisnode:<version>-etl), and ETL also needs AIS deployed in Kubernetes")
+    return ""

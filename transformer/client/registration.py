@@ -16,20 +16,22 @@ shard must be transformed *and* drained by the reader within it::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import yaml
 
 from ..config import DTYPES, ERROR_POLICIES, LAYOUTS, VARIABLES, parse_duration
 from ..errors import ConfigError
-from .errors import EtlNameError, EtlSpecMismatch
+from .errors import EtlNameError, EtlRequestError, EtlSpecMismatch
 
 if TYPE_CHECKING:
     from aistore.sdk import Client
@@ -203,10 +205,19 @@ def register(client: Client, name: str, settings: EtlSettings, *, replace: bool 
     re-creates it. Compared, field by field, with the init message AIS reports: communication type,
     obj_timeout, ``support_direct_put``, image, command, environment and ``resources`` (quantities
     by value: ``0.5`` and ``500m`` CPUs, ``1024Mi`` and ``1Gi`` are the same).
+
+    AIS's refusals are raised as ``EtlRequestError`` with the cluster's own message, and what it means
+    when it is a known one (a cluster outside Kubernetes cannot run ETLs at all).
     """
+    message = settings.init_message(name)
+    with ais_errors(name, "registration"):
+        return _register(client, name, settings, message, replace)
+
+
+def _register(client: Client, name: str, settings: EtlSettings, message: dict[str, Any],
+              replace: bool) -> Registration:
     from aistore.sdk.errors import AISError
 
-    message = settings.init_message(name)
     etl = client.etl(name)
     running = _registered_message(etl)
     if running is not None:
@@ -233,16 +244,44 @@ def unregister(client: Client, name: str, *, missing_ok: bool = True) -> bool:
     from aistore.sdk.errors import AISError
 
     etl = client.etl(validate_name(name))
-    if _registered_message(etl) is None:
-        if missing_ok:
-            return False
-        raise EtlNameError(name, "is not a registered ETL")
-    try:
-        etl.stop()
-    except AISError as exc:  # AIS refuses to stop an ETL that is not running; delete anyway
-        log.debug("stop %s: %s", name, exc)
-    etl.delete()
+    with ais_errors(name, "unregistration"):
+        if _registered_message(etl) is None:
+            if missing_ok:
+                return False
+            raise EtlNameError(name, "is not a registered ETL")
+        try:
+            etl.stop()
+        except AISError as exc:  # AIS refuses to stop an ETL that is not running; delete anyway
+            log.debug("stop %s: %s", name, exc)
+        etl.delete()
     return True
+
+
+@contextlib.contextmanager
+def ais_errors(name: str, action: str) -> Iterator[None]:
+    """Turn the SDK's ``AISError`` (status, raw JSON body, URL) into ``EtlRequestError``: AIS's message
+    and the node that gave it, the cluster's address, and what the message means when it is known."""
+    from aistore.sdk.errors import AISError
+
+    try:
+        yield
+    except AISError as exc:
+        message, node = _ais_message(exc.message)
+        parts = urlsplit(exc.req_url or "")
+        endpoint = f"{parts.scheme}://{parts.netloc}" if parts.netloc else "AIS"
+        raise EtlRequestError(name, action, endpoint, exc.status_code, message, node) from exc
+
+
+def _ais_message(body: object) -> tuple[str, str]:
+    """AIS's error body is JSON (``{"message": ..., "node": ...}``); anything else is kept as it is."""
+    text = str(body or "").strip()
+    try:
+        decoded = json.loads(text)
+    except ValueError:
+        return text or "no message", ""
+    if isinstance(decoded, dict) and decoded.get("message"):
+        return str(decoded["message"]), str(decoded.get("node") or "")
+    return text, ""
 
 
 def _init(etl: Etl, settings: EtlSettings, message: dict[str, Any]) -> str:

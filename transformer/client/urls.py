@@ -73,27 +73,39 @@ def shard_urls(
     etl_args: Mapping[str, Any] | str | None = None,
     provider: str = "ais",
     suffixes: Sequence[str] = SHARD_SUFFIXES,
+    pipeline: Sequence[str] = (),
 ) -> list[str]:
     """Object URLs of a bucket's shards with ``etl_name`` and JSON ``etl_args``, built by the SDK.
 
     Give exactly one of ``prefix`` (lists the bucket; only names ending in ``suffixes`` are kept),
     ``template`` (a brace range such as ``train-{000000..000999}.tar``, not listed) or ``names``.
-    ``etl_name=None`` gives the raw (untransformed) shards.
+    ``etl_name=None`` gives the raw (untransformed) shards. ``pipeline`` names the ETLs that transform
+    the output of ``etl_name`` in turn (``etl_pipeline``, as the SDK's ``Etl >> Etl`` sends it; its
+    ``get_url`` drops a pipeline, so it is added here); every stage gets the same ``etl_args``.
     """
     from aistore.sdk.etl import ETLConfig
+
+    from .registration import validate_name
 
     given = [option for option in (prefix, template, names) if option is not None]
     if len(given) != 1:
         raise ValueError("shard_urls: give exactly one of prefix, template or names")
+    if pipeline and not etl_name:
+        raise ValueError("shard_urls: a pipeline needs the first ETL (etl_name)")
+    stages = [validate_name(name) for name in pipeline]
     config = ETLConfig(etl_name, args=encode_etl_args(etl_args)) if etl_name else None
     handle = client.bucket(bucket, provider=provider)
     if prefix is not None:
-        return [url for url in handle.list_urls(prefix=prefix, etl=config)
+        urls = [url for url in handle.list_urls(prefix=prefix, etl=config)
                 if urlsplit(url).path.endswith(tuple(suffixes))]
-    objects = expand_template(template) if template is not None else list(names)  # type: ignore[arg-type]
-    if not objects:
-        raise ValueError("shard_urls: no object names given")
-    return [handle.object(name).get_url(etl=config) for name in objects]
+    else:
+        objects = expand_template(template) if template is not None else list(names)  # type: ignore[arg-type]
+        if not objects:
+            raise ValueError("shard_urls: no object names given")
+        urls = [handle.object(name).get_url(etl=config) for name in objects]
+    if stages:
+        urls = [f"{url}&{urlencode({'etl_pipeline': ','.join(stages)})}" for url in urls]
+    return urls
 
 
 def expand_template(template: str) -> list[str]:

@@ -1,0 +1,197 @@
+"""Offline transforms: an ETL'd copy of a bucket made once (e.g. the validation set), its errors, the pod's logs.
+
+AIS passes no ``etl_args`` to an offline job: a bucket-to-bucket (or multi-object) transform carries
+only the ETL's name and pipeline (``apc.Transform``). The pod then transforms with its own defaults,
+the environment the ETL was registered with (``EtlSettings``: ``ETL_PRESET``, ``ETL_DTYPE``, ...).
+So a copy made with other options than the training ETL's needs an ETL of its own, registered with
+those options as its settings, e.g. ``register(client, "wds-etl-val", EtlSettings(image=...,
+preset="imagenet-val", dtype="uint8"))``.
+
+``transform_bucket`` takes the options the copy must be made with, as ``etl_args`` would give them
+(``preset`` or ``transforms`` required), checks them against what the registered ETL will actually
+use, and refuses to start on any difference (``OfflineOptionsMismatch``, naming each one and the
+fix). It then starts the job, waits for it, and reports AIS's per-object errors. ``object_errors``
+and ``etl_logs`` surface a job's errors and the pod's logs on their own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..config import VARIABLES
+from .errors import ClientError
+from .registration import _registered_message, ais_errors, validate_name
+from .urls import ETL_ARG_FIELDS, etl_args
+
+if TYPE_CHECKING:
+    from aistore.sdk import Client
+
+log = logging.getLogger("transformer.client")
+
+JOB_KIND = "etl-bck"  # the xaction of a bucket-to-bucket transform
+_ENV = {"preset": "ETL_PRESET", "transforms": "ETL_TRANSFORMS", "dtype": "ETL_DTYPE", "layout": "ETL_LAYOUT",
+        "seed": "ETL_SEED", "on_error": "ETL_ON_ERROR"}
+_DETERMINISTIC_PRESETS = ("imagenet-val",)
+
+
+class OfflineOptionsMismatch(ClientError):
+    """The registered ETL would make the offline copy with other options than the ones asked for."""
+
+    def __init__(self, name: str, differences: dict[str, tuple[object, object]]):
+        details = "; ".join(f"{key}: the ETL uses {got!r}, wanted {want!r}" for key, (got, want) in differences.items())
+        super().__init__(
+            f"ETL '{name}' cannot make this offline copy ({details}). AIS passes no etl_args to offline "
+            f"transforms: the pod uses the settings the ETL was registered with. Register an ETL for this copy "
+            f"with these options as its settings, e.g. register(client, '{name[:24]}-val', EtlSettings(image=..., "
+            f"preset=..., dtype=...)), and transform with that one")
+        self.name = name
+        self.differences = differences
+
+
+@dataclass(frozen=True)
+class OfflineJob:
+    """A bucket-to-bucket transform: its id, and once waited for, how it ended and the objects that failed."""
+
+    etl_name: str
+    job_id: str
+    source: str
+    destination: str
+    finished: bool = False
+    success: bool | None = None
+    error: str | None = None
+    object_errors: list[tuple[str, str]] = field(default_factory=list)  # (object name, AIS's message)
+
+
+def effective_options(environment: Mapping[str, str]) -> dict[str, Any]:
+    """What the pod transforms with when a request carries no ``etl_args``: its environment, else the defaults."""
+
+    def get(name: str) -> str:
+        value = environment.get(name)
+        return value if value not in (None, "") else VARIABLES[name][0]
+
+    options: dict[str, Any] = {}
+    transforms = get("ETL_TRANSFORMS")
+    if transforms:  # ETL_TRANSFORMS overrides ETL_PRESET
+        try:
+            options["transforms"] = json.loads(transforms)
+        except ValueError:
+            options["transforms"] = transforms  # YAML: compared as text
+    else:
+        options["preset"] = get("ETL_PRESET")
+    options["dtype"], options["layout"], options["on_error"] = get("ETL_DTYPE"), get("ETL_LAYOUT"), get("ETL_ON_ERROR")
+    seed = get("ETL_SEED")
+    options["seed"] = int(seed) if seed.lstrip("-").isdigit() else (seed or None)
+    return options
+
+
+def check_offline_options(client: Client, etl_name: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """Raise unless the registered ETL ``etl_name`` transforms, without ``etl_args``, with ``options``.
+
+    ``options`` are ``etl_args`` fields; ``preset`` or ``transforms`` is required (the copy's pipeline must be
+    stated, not inherited by accident) and ``epoch`` is refused (offline jobs have none). Returns the options
+    the ETL uses.
+    """
+    unknown = sorted(set(options) - set(ETL_ARG_FIELDS))
+    if unknown:
+        raise ValueError(f"offline options: unknown field {unknown[0]!r}; known fields are {', '.join(ETL_ARG_FIELDS)}")
+    if "epoch" in options:
+        raise ValueError("offline options: an offline copy has no epoch (AIS passes no etl_args to offline jobs); "
+                         "give a seed for a reproducible copy")
+    if "preset" not in options and "transforms" not in options:
+        raise ValueError("offline options: say which pipeline the copy is made with (preset or transforms)")
+    etl_args(**dict(options))  # the same value checks as for etl_args
+    with ais_errors(etl_name, "offline transform"):
+        message = _registered_message(client.etl(validate_name(etl_name)))
+    if message is None:
+        raise ClientError(f"ETL '{etl_name}' is not registered; register it with the copy's options as its settings")
+    runtime = message.get("runtime")
+    runtime = runtime if isinstance(runtime, dict) else {}
+    environment = {e["name"]: e["value"] for e in (runtime.get("env") or []) + (message.get("env") or [])}
+    used = effective_options(environment)
+    differences: dict[str, tuple[object, object]] = {}
+    wanted_pipeline = (("transforms", _spec(options["transforms"])) if "transforms" in options
+                       else ("preset", options["preset"]))
+    used_pipeline = ("transforms", used["transforms"]) if "transforms" in used else ("preset", used["preset"])
+    if wanted_pipeline != used_pipeline:
+        differences["pipeline"] = (" ".join(map(repr, used_pipeline)), " ".join(map(repr, wanted_pipeline)))
+    for key in ("dtype", "layout", "on_error", "seed"):
+        if key in options and options[key] != used[key]:
+            differences[key] = (used[key], options[key])
+    if differences:
+        raise OfflineOptionsMismatch(etl_name, differences)
+    random = ("Random" in json.dumps(used["transforms"]) if "transforms" in used
+              else used["preset"] not in _DETERMINISTIC_PRESETS)
+    if random and used.get("seed") is None:
+        log.warning("ETL %s transforms with random augmentations and no seed: the offline copy is one random draw, "
+                    "and cannot be made again identically", etl_name)
+    return used
+
+
+def transform_bucket(
+    client: Client,
+    etl_name: str,
+    source: str,
+    destination: str,
+    *,
+    options: Mapping[str, Any],
+    prefix: str = "",
+    ext: Mapping[str, str] | None = None,
+    continue_on_error: bool = True,
+    num_workers: int = 0,
+    pipeline: tuple[str, ...] | list[str] = (),
+    timeout: int = 3600,
+    wait: bool = True,
+) -> OfflineJob:
+    """Transform bucket ``source`` into ``destination`` with the ETL ``etl_name``, once.
+
+    ``options`` are the ``etl_args`` the copy must be made with; they are checked against the ETL's
+    settings first (``check_offline_options``), because AIS does not pass them to offline jobs. With
+    ``continue_on_error`` a failed object is recorded and the job goes on; the job's per-object errors
+    are returned. ``pipeline`` names ETLs that transform this one's output in turn (each stage uses
+    its own settings: no stage gets ``etl_args``). ``timeout`` bounds the wait, in seconds;
+    ``wait=False`` returns after starting.
+    """
+    check_offline_options(client, etl_name, options)
+    with ais_errors(etl_name, "offline transform"):
+        job_id = client.bucket(source).transform(
+            etl_name, to_bck=client.bucket(destination), prefix_filter=prefix, ext=dict(ext) if ext else None,
+            cont_on_err=continue_on_error, num_workers=num_workers,
+            etl_pipeline=[validate_name(name) for name in pipeline] or None,
+        )
+    log.info("offline transform %s: ais://%s -> ais://%s with ETL %s", job_id, source, destination, etl_name)
+    job = OfflineJob(etl_name, job_id, source, destination)
+    if not wait:
+        return job
+    with ais_errors(etl_name, "offline transform"):
+        result = client.job(job_id, job_kind=JOB_KIND).wait(timeout=timeout, verbose=False)
+    errors = object_errors(client, etl_name, job_id)
+    return OfflineJob(etl_name, job_id, source, destination, finished=True, success=bool(result.success),
+                      error=result.error or None, object_errors=errors)
+
+
+def object_errors(client: Client, etl_name: str, job_id: str) -> list[tuple[str, str]]:
+    """The objects a job of this ETL failed on, with AIS's message for each (``GET /v1/etl/<name>?uuid=``)."""
+    with ais_errors(etl_name, "job errors"):
+        details = client.etl(validate_name(etl_name)).view(job_id=job_id)
+    return [(error.obj_name, error.msg) for error in details.obj_errors or []]
+
+
+def etl_logs(client: Client, etl_name: str, target_id: str = "") -> dict[str, str]:
+    """The pod's logs, per target (``GET /v1/etl/<name>/logs[/<target>]``)."""
+    with ais_errors(etl_name, "logs"):
+        entries = client.etl(validate_name(etl_name)).logs(target_id=target_id)
+    return {entry.target_id: entry.logs for entry in entries}  # the SDK decodes AIS's base64
+
+
+def _spec(value: Any) -> Any:
+    """A transforms spec as the pod's environment holds it (compact JSON), read back; YAML text stays text."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return json.loads(json.dumps(value))
