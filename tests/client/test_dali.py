@@ -2,45 +2,31 @@
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
-from transformer.client.dali import EtlBatchSource, buffered_shuffle, collect_batches, pad_last_batch
+from transformer.client.dali import EtlBatchSource
 
 from .test_loader import write_shards
 
 
-@given(st.lists(st.integers(), max_size=60), st.integers(1, 20), st.integers(0, 2**32))
-def test_buffered_shuffle_yields_each_item_once(items: list[int], size: int, seed: int) -> None:
-    assert sorted(buffered_shuffle(items, size, random.Random(seed))) == sorted(items)
+def test_batch_source_shuffles_each_sample_once_seeded(tmp_path: Path) -> None:
+    urls = write_shards(tmp_path, 5, 20)
 
+    def labels(seed: int, fill: int) -> list[int]:
+        source = EtlBatchSource(urls, 7, keys=("npy", "cls"), random_shuffle=True, initial_fill=fill, seed=seed)
+        return [int(label) for _, batch in source for label in batch]
 
-def test_buffered_shuffle_is_seeded_and_shuffles() -> None:
-    items = list(range(100))
-    first = list(buffered_shuffle(items, 16, random.Random(1)))
-    assert first == list(buffered_shuffle(items, 16, random.Random(1)))
-    assert first != items and first != list(buffered_shuffle(items, 16, random.Random(2)))
-    with pytest.raises(ValueError):
-        list(buffered_shuffle(items, 0, random.Random(1)))
-
-
-@pytest.mark.parametrize(("count", "padded"), [(0, 0), (4, 4), (5, 8), (7, 8)])
-def test_pad_last_batch_repeats_the_last_item(count: int, padded: int) -> None:
-    out = list(pad_last_batch(range(count), 4))
-    assert len(out) == padded and out[:count] == list(range(count))
-    assert all(x == count - 1 for x in out[count:])
-
-
-def test_collect_batches_transposes_samples() -> None:
-    samples = [(np.full(2, i), np.asarray(i)) for i in range(5)]
-    batches = list(collect_batches(samples, 2))
-    assert [len(b[0]) for b in batches] == [2, 2, 1]
-    assert [int(x) for x in batches[0][1]] == [0, 1] and len(batches[0]) == 2
+    first = labels(1, 16)
+    assert sorted(first) == list(range(100))  # each sample once, the last batch partial
+    assert first == labels(1, 16) and first != labels(2, 16) and first != sorted(first)
+    assert sorted(labels(1, 500)) == list(range(100))  # a buffer larger than the epoch
+    plain = [int(label) for _, batch in EtlBatchSource(urls, 7, keys=("npy", "cls")) for label in batch]
+    assert plain == list(range(100))
+    with pytest.raises(ValueError, match="initial_fill"):
+        EtlBatchSource(urls, 4, random_shuffle=True, initial_fill=0)
 
 
 def test_batch_source_epochs_shards_and_padding(tmp_path: Path) -> None:

@@ -5,15 +5,24 @@ torch, webdataset and the aistore SDK. DALI (``transformer.client.dali``) is opt
 only when a DALI pipeline is built.
 
 Modules: ``registration`` (EtlSettings, register/unregister, runtime spec YAML), ``urls`` (etl_args,
-shard and pod URLs), ``reading`` (whole shards: end marker checked, a cut one continued),
-``loader`` (make_loader), ``prefetch`` (CudaPrefetcher), ``convert`` (folder
-datasets -> shards in a bucket), ``shuffle`` (dSort), ``dali`` (external_source feeder).
+shard and pod URLs), ``reading`` (whole shards: end marker checked, a cut one continued), ``stream``
+(one resumable stream of samples), ``loader`` (make_loader, state_dict/load_state_dict), ``prefetch``
+(CudaPrefetcher), ``convert`` (folder datasets -> shards in a bucket), ``shuffle`` (dSort), ``dali``
+(external_source feeder).
 """
 
 from ..integrity import IncompleteShard
 from .convert import ConvertReport, convert
 from .dali import EtlBatchSource, read_etl_shards
-from .errors import ClientError, ConvertError, EtlNameError, EtlSpecMismatch, ShardFetchError, ShuffleError
+from .errors import (
+    ClientError,
+    ConvertError,
+    EtlNameError,
+    EtlSpecMismatch,
+    LoaderStateError,
+    ShardFetchError,
+    ShuffleError,
+)
 from .loader import ErrorCounter, EtlLoader, make_loader
 from .prefetch import CudaPrefetcher, PrefetchStats
 from .reading import open_shard, shard_samples, tarfile_to_whole_samples, whole_shard_samples
@@ -28,6 +37,7 @@ from .registration import (
     validate_name,
 )
 from .shuffle import ShuffleResult, dsort_framework, shuffle_shards
+from .stream import ResumeError
 from .urls import EpochUrls, encode_etl_args, etl_args, path_escape, pod_urls, set_etl_args, shard_urls
 
 __all__ = [
@@ -42,8 +52,10 @@ __all__ = [
     "EtlNameError",
     "EtlSettings",
     "EtlSpecMismatch",
+    "LoaderStateError",
     "PrefetchStats",
     "Registration",
+    "ResumeError",
     "ShardFetchError",
     "ShuffleError",
     "ShuffleResult",

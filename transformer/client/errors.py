@@ -46,3 +46,7 @@ class ConvertError(ClientError):
 
 class ShuffleError(ClientError):
     """A dSort shuffle job failed, was aborted or timed out."""
+
+
+class LoaderStateError(ClientError, ValueError):
+    """A saved loader state this loader cannot resume from: another configuration, or another format."""
