@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from transformer.client import LoaderStateError
 from transformer.client.dali import EtlBatchSource
 
 from .test_loader import write_shards
@@ -43,6 +45,49 @@ def test_batch_source_epochs_shards_and_padding(tmp_path: Path) -> None:
     assert not halves[0] & halves[1] and halves[0] | halves[1] == set(range(20))
     image, label = next(iter(EtlBatchSource(urls, 2)))
     assert image[0].shape == (3, 4, 4) and label[0].dtype == np.int64 and label[0].shape == ()
+
+
+def source_of(urls: list[str], **kwargs) -> EtlBatchSource:
+    options = {"keys": ("npy", "cls"), "random_shuffle": True, "initial_fill": 6, "seed": 2, "pad_last_batch": True,
+               **kwargs}
+    return EtlBatchSource(urls, 4, **options)
+
+
+def labels_of(batches) -> list[list[int]]:
+    return [[int(label) for label in labels] for _, labels in batches]
+
+
+@pytest.mark.parametrize("stop", [1, 3, 5])
+def test_batch_source_resumes_mid_epoch(tmp_path: Path, stop: int) -> None:
+    urls = write_shards(tmp_path, 4, 5)
+    whole = labels_of(source_of(urls))
+    assert len(whole) == 5 and len(whole[-1]) == 4  # 20 samples, the last batch padded
+    source = source_of(urls)
+    batches = iter(source)
+    head = labels_of(next(batches) for _ in range(stop))
+    state = json.loads(json.dumps(source.state_dict()))
+    assert state["kind"] == "EtlBatchSource" and state["batches"] == stop and state["epoch"] == 0
+    resumed = source_of(urls)
+    resumed.load_state_dict(state)
+    assert head + labels_of(resumed) == whole
+    assert resumed.epoch == 1 and resumed.state_dict()["batches"] == 0  # the next epoch, from its start
+
+
+def test_batch_source_holds_the_states_of_its_last_batches(tmp_path: Path) -> None:
+    urls = write_shards(tmp_path, 3, 5)
+    source = source_of(urls)
+    batches = iter(source)
+    for _ in range(3):
+        next(batches)
+    assert source.state_dict(epoch=0, batches=1)["batches"] == 1
+    assert source.state_dict(epoch=0, batches=0)["stream"] is None  # the epoch's start
+    with pytest.raises(ValueError, match="batch 7 of epoch 0 is not held"):
+        source.state_dict(epoch=0, batches=7)
+    with pytest.raises(ValueError, match="give epoch and batches"):
+        source.state_dict(epoch=0)
+    other = source_of(urls, shard_id=1, num_shards=2)
+    with pytest.raises(LoaderStateError, match=r"shard_id \(saved 0, this loader 1\); num_shards"):
+        other.load_state_dict(source.state_dict())
 
 
 dali = pytest.importorskip("nvidia.dali", reason="DALI (the dali extra) is not installed")
@@ -102,3 +147,31 @@ def test_dali_pipeline_pads_the_last_batch_and_quiet_cycles(tmp_path: Path) -> N
         _, batch = quiet.run()
         labels += [int(np.array(batch[i])) for i in range(len(batch))]
     assert labels == [0, 1, 2, 3, 4, 5, 5, 5] * 2  # epochs follow each other without StopIteration
+
+
+def test_dali_pipeline_resumes_from_the_state_of_the_last_batch_it_returned(tmp_path: Path) -> None:
+    import nvidia.dali.fn as fn
+
+    urls = write_shards(tmp_path, 3, 5)
+
+    def pipe_of(source: EtlBatchSource):
+        @dali.pipeline_def(batch_size=4, num_threads=1, device_id=None)
+        def pipeline():
+            return tuple(fn.external_source(source=source, num_outputs=2, batch=True, cycle="raise"))
+
+        pipe = pipeline()
+        pipe.build()
+        return pipe
+
+    whole = [label for _, label in run_epoch(pipe_of(source_of(urls)))]
+    source = source_of(urls)
+    pipe = pipe_of(source)
+    head = []
+    for _ in range(2):
+        _, labels = pipe.run()
+        head += [int(np.array(labels[i])) for i in range(len(labels))]
+    assert source.state_dict()["batches"] >= 2  # DALI asks for batches ahead of the ones run() returned
+    state = json.loads(json.dumps(source.state_dict(epoch=0, batches=2)))
+    fresh = source_of(urls)
+    fresh.load_state_dict(state)
+    assert head + [label for _, label in run_epoch(pipe_of(fresh))] == whole

@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import torch
 
@@ -197,6 +198,30 @@ def test_the_prefetcher_saves_the_state_of_the_last_batch_it_handed_out(served_p
     rest = list(again)
     assert [b[2] for b in head + rest] == [b[2] for b in whole]
     assert again.state_dict()["epoch"] == 2  # the epoch is over: the next one from its start
+
+
+def test_the_dali_source_resumes_with_the_same_arrays(served_proxy: FakeProxy) -> None:
+    from transformer.client import EtlBatchSource
+
+    urls = seeded_urls(served_proxy, shards=3)
+
+    def source():
+        return EtlBatchSource(urls, 4, keys=("npy", "cls"), random_shuffle=True, initial_fill=5, seed=6,
+                              pad_last_batch=True)
+
+    whole = list(source())
+    first = source()
+    batches = iter(first)
+    head = [next(batches) for _ in range(2)]
+    state = json.loads(json.dumps(first.state_dict()))
+    assert state["stream"]["buffer"] and 0 < state["stream"]["taken"] < PER_SHARD
+    again = source()
+    again.load_state_dict(state)
+    got = head + list(again)
+    assert len(got) == len(whole) == 4
+    for (images, labels), (expected_images, expected_labels) in zip(got, whole):
+        assert [int(x) for x in labels] == [int(x) for x in expected_labels]
+        assert all(np.array_equal(a, b) for a, b in zip(images, expected_images))
 
 
 def test_epoch_urls_give_each_epoch_its_state(served_proxy: FakeProxy) -> None:
