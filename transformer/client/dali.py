@@ -18,7 +18,6 @@ Everything but ``read_etl_shards`` works without DALI installed.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -38,7 +37,7 @@ from .loader import (
     shard_order,
     urls_digest,
 )
-from .stream import SampleStream, ShardReader, StreamSpec, check_snapshot, generator_key
+from .stream import SampleStream, ShardReader, StreamSpec, check_snapshot, generator_key, plain
 
 CYCLES = ("raise", "quiet")
 HISTORY = 64  # states kept of the last batches made: DALI reads a few ahead (prefetch_queue_depth)
@@ -167,7 +166,7 @@ class EtlBatchSource:
                                  f"not held (the last {HISTORY} batches made are)")
             position = _Position(epoch, batches, found[-1])
         return {"format": STATE_FORMAT, "kind": "EtlBatchSource", "epoch": position.epoch,
-                "batches": position.batches, "stream": copy.deepcopy(position.stream),
+                "batches": position.batches, "stream": plain(position.stream),
                 "config": self._fingerprint(position.epoch)}
 
     def _position(self) -> _Position:
@@ -189,7 +188,7 @@ class EtlBatchSource:
             problem = check_snapshot(stream, state["config"]["shards"], self.initial_fill if self.random_shuffle else 0)
             if problem:
                 raise LoaderStateError(f"loader state: stream: {problem}")
-        self._pending = _Position(epoch, batches, copy.deepcopy(stream))
+        self._pending = _Position(epoch, batches, plain(stream))
         self._progress = None
         self.epoch = epoch
 

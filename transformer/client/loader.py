@@ -22,7 +22,6 @@ worker w, the resumed DataLoader's worker j runs the stream of worker (w + 1 + j
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import logging
@@ -38,7 +37,7 @@ from webdataset.filters import default_collation_fn
 from webdataset.utils import pytorch_worker_info
 
 from .errors import ClientError, LoaderStateError
-from .stream import SampleStream, ShardReader, StreamSpec, check_snapshot, generator_key
+from .stream import SampleStream, ShardReader, StreamSpec, check_snapshot, generator_key, plain
 
 log = logging.getLogger("transformer.client")
 
@@ -357,7 +356,7 @@ class EtlLoader:
             "batches": position.batches,
             "passes": position.passes,
             "next_worker": position.next_worker,
-            "workers": [copy.deepcopy(position.workers[w]) for w in sorted(position.workers)],
+            "workers": [plain(position.workers[w]) for w in sorted(position.workers)],
             "config": self.config.fingerprint(position.epoch),
         }
 
@@ -385,7 +384,7 @@ class EtlLoader:
                                                                                                "batches")
             if problem:
                 raise LoaderStateError(f"loader state: worker {worker}: {problem}")
-            workers[worker] = copy.deepcopy(worker_state)
+            workers[worker] = plain(worker_state)
         self._pending = _Position(epoch, batches, passes, next_worker, workers)
         self._progress = None
         self._next_epoch = epoch

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import chain
@@ -144,6 +145,7 @@ class SampleStream:
         self.ended = False
         self.draws = 0
         self.buffer: list[Entry] = []
+        self._ids: list[tuple[int, int, str]] = []  # the buffer's samples by identity, in the same order
         self._state = state
         self._open: Iterator[tuple[int, dict[str, Any]]] | None = None  # the restored open shard's rest
 
@@ -154,9 +156,9 @@ class SampleStream:
         return self.spec.order[shard] if shard < len(self.spec.order) else None
 
     def snapshot(self) -> dict[str, Any]:
+        """The state, cheap enough to take after every batch (JSON gives the buffer's tuples as lists)."""
         return {"shard": self.shard, "taken": self.taken, "last": self.last, "ended": self.ended,
-                "draws": self.draws,
-                "buffer": [[index, position, sample["__key__"]] for index, position, sample in self.buffer]}
+                "draws": self.draws, "buffer": list(self._ids)}
 
     def tuples(self) -> Iterator[tuple]:
         """Decoded (``.npy``, ``.cls``, ...) and picked by ``keys``; samples that fail go to the handler."""
@@ -172,21 +174,24 @@ class SampleStream:
             for _, _, sample in self._source():
                 yield sample
             return
-        buffer = self.buffer
+        buffer, ids = self.buffer, self._ids
         for entry in self._source():
             buffer.append(entry)
+            ids.append((entry[0], entry[1], entry[2]["__key__"]))
             if len(buffer) >= size:
                 yield self._pick()
         while buffer:
             yield self._pick()
 
     def _pick(self) -> dict[str, Any]:
-        buffer = self.buffer
+        """webdataset's pick: a drawn slot is taken out, the last sample moves into it."""
+        buffer, ids = self.buffer, self._ids
         k = draw(self.spec.buffer_key, self.draws, len(buffer))
         self.draws += 1
         entry = buffer[k]
-        buffer[k] = buffer[-1]
+        buffer[k], ids[k] = buffer[-1], ids[-1]
         buffer.pop()
+        ids.pop()
         return entry[2]
 
     def _source(self) -> Iterator[Entry]:
@@ -232,6 +237,7 @@ class SampleStream:
         # A resampled shard drawn twice may have put the same sample in twice: each gets its own dict.
         self.buffer = [(index, position, dict(got[index, position])) for index, position, _ in entries
                        if (index, position) in got]
+        self._ids = [(index, position, sample["__key__"]) for index, position, sample in self.buffer]
 
     def _read_again(self, index: int, positions: dict[int, str], got: dict[tuple[int, int], dict[str, Any]],
                     rest_from: int | None = None) -> Iterator[tuple[int, dict[str, Any]]] | None:
@@ -264,6 +270,11 @@ class SampleStream:
             _close(samples)
             return None
         return chain(ahead, samples)
+
+
+def plain(state: Any) -> Any:
+    """A deep copy of a state as JSON has it (tuples become lists)."""
+    return json.loads(json.dumps(state))
 
 
 def _close(iterator: Iterator[Any]) -> None:
