@@ -317,3 +317,20 @@ def test_a_state_is_json_and_small(local_state) -> None:
     assert [w["worker"] for w in state["workers"]] == [0, 1] and state["next_worker"] == 0
     assert set(state["workers"][0]) == {"worker", "batches", "shard", "taken", "last", "ended", "draws", "buffer"}
     assert len(json.dumps(state)) < 2000
+
+
+def test_after_the_last_batch_of_a_fixed_length_epoch_the_state_is_the_next_epoch(tmp_path: Path) -> None:
+    urls = write_shards(tmp_path, 4, 5)
+
+    def loader():
+        return make_loader(urls, 3, keys=KEYS, num_workers=2, shuffle_buffer=4, seed=3, epoch_batches=4)
+
+    first = loader()
+    batches = iter(first)
+    for _ in range(4):
+        next(batches)
+    state = first.state_dict()  # the generator has not seen the end yet: the count says it is over
+    assert (state["epoch"], state["batches"], state["workers"]) == (1, 0, [])
+    full = loader()
+    full.load_state_dict(first._state_of(first._progress))  # epoch 0, its count already at the length
+    assert list(full) == [] and full.epoch == 1

@@ -174,3 +174,38 @@ def test_a_shard_that_changed_is_an_error_for_the_handler_and_the_stream_goes_on
     rest = keys_of(resumed)
     assert len(errors) == 1 and isinstance(errors[0], ResumeError)
     assert all(key.startswith("s0-") for key in rest)  # the next shard, whole
+
+
+def test_an_etl_that_refuses_skip_is_read_from_the_start(caplog: pytest.LogCaptureFixture) -> None:
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from threading import Thread
+
+    from tests.shardgen import make_tar, sealed
+
+    shard = sealed(make_tar([(f"k{i}.cls", b"%d" % i) for i in range(6)]))
+    asked = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            asked.append(self.path)
+            refused = "skip" in self.path
+            body = b"invalid etl_args field 'skip': unknown field" if refused else shard
+            self.send_response(400 if refused else 200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/s.tar?etl_args=%7B%22seed%22%3A1%7D"
+        reader = ShardReader(timeout=(2, 10))
+        assert [(p, s["__key__"]) for p, s in reader.read(url, 4, "k4")] == [(4, "k4"), (5, "k5")]
+        assert len(asked) == 2 and "skip" in asked[0] and "skip" not in asked[1]
+        assert "refuses etl_args 'skip'" in caplog.text
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -16,7 +16,8 @@ count. A stream made from a snapshot continues exactly where the first one was. 
 what it needs: each shard the buffer holds samples of (from the first of them to the last) and the
 open shard from its last sample taken on, one read for both when they are the same shard. A URL that
 goes through the ETL is asked to pass over the samples before them (``etl_args`` ``skip``): they are
-neither transformed nor sent. Other URLs are read from their start and those samples dropped here.
+neither transformed nor sent. Other URLs, and an ETL that refuses ``skip`` (an older version), are read
+from their start and those samples dropped here.
 Every sample read again must have the key the snapshot names.
 
 Positions count the samples a whole read of the shard yields. The ETL's ``skip`` counts its input
@@ -30,6 +31,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import chain
@@ -37,9 +39,11 @@ from typing import Any, Protocol
 
 from webdataset.filters import _decode, _to_tuple
 
-from .errors import ClientError
+from .errors import ClientError, ShardFetchError
 from .reading import open_shard, whole_shard_samples
 from .urls import is_etl_url, with_skip
+
+log = logging.getLogger("transformer.client")
 
 Handler = Callable[[BaseException], bool]
 Entry = tuple[int, int, dict[str, Any]]  # URL index, position in the shard, the sample
@@ -97,17 +101,17 @@ class ShardReader:
             yield from enumerate(self.samples(url))
             return
         if self.pod_skips(url):
-            position = None
-            for sample in self.samples(with_skip(url, start), shown=url):
-                if position is None:
-                    if sample["__key__"] != anchor:
-                        continue  # before it: the ETL left a sample out earlier in the shard
-                    position = start
-                yield position, sample
-                position += 1
-            if position is None:
-                raise ResumeError(url, f"sample '{anchor}' (number {start}) is not in it")
-            return
+            samples = self.samples(with_skip(url, start), shown=url)
+            try:
+                first = next(samples, None)
+            except ShardFetchError as exc:
+                if exc.status != 400 or "'skip'" not in exc.reason:
+                    raise
+                log.warning("%s: the ETL refuses etl_args 'skip' (an older version?); reading the shard from its "
+                            "start instead", url)
+            else:
+                yield from self._skipped(url, start, anchor, chain([] if first is None else [first], samples))
+                return
         reached = False
         for position, sample in enumerate(self.samples(url)):
             if position == start:
@@ -118,6 +122,23 @@ class ShardReader:
                 yield position, sample
         if not reached:
             raise ResumeError(url, f"it has {start} samples or fewer; sample '{anchor}' (number {start}) is gone")
+
+
+    @staticmethod
+    def _skipped(url: str, start: int, anchor: str | None, samples: Iterator[dict[str, Any]]
+                 ) -> Iterator[tuple[int, dict[str, Any]]]:
+        """A read the ETL began at input sample ``start``: it may hold samples before ``anchor`` (one it
+        could not transform was left out earlier in the shard), which were delivered already."""
+        position = None
+        for sample in samples:
+            if position is None:
+                if sample["__key__"] != anchor:
+                    continue
+                position = start
+            yield position, sample
+            position += 1
+        if position is None:
+            raise ResumeError(url, f"sample '{anchor}' (number {start}) is not in it")
 
 
 @dataclass(frozen=True)
