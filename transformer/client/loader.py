@@ -421,7 +421,8 @@ def check_fingerprint(state: dict[str, Any], mine: dict[str, Any]) -> None:
         if name == "urls":
             if saved.get("urls") != value:
                 differences.append(f"urls (the epoch's {saved.get('shards')} shard URLs were saved, this loader "
-                                   f"reads {mine['shards']} others: digest {saved.get('urls')} vs {value})")
+                                   f"reads {mine['shards']} others: digest {saved.get('urls')} vs {value}; an "
+                                   "EpochUrls made without seed= draws a new seed in every run)")
         elif saved.get(name, "missing") != value:
             differences.append(f"{name} (saved {saved.get(name, 'missing')!r}, this loader {value!r})")
     unknown = sorted(set(saved) - set(mine))
@@ -487,6 +488,12 @@ def make_loader(
     not written by this ETL, e.g. a source bucket directly). A shard cut short is read again up to
     ``retries`` times and continued after the samples already delivered; one still cut is an error
     (``errors`` counts it, naming the URL and how many of its samples arrived), never a shorter epoch.
+
+    The loader resumes mid-epoch: save ``loader.state_dict()`` with the model, and after a restart
+    ``loader.load_state_dict(state)`` makes the next ``iter()`` yield exactly the batches that would
+    have followed (bit for bit with ``seed`` in the ETL's ``etl_args``, e.g. ``EpochUrls``). Restoring
+    reads again only the shards that were open or had samples in a shuffle buffer, from the first
+    sample needed (the ETL skips the ones before it).
     """
     if batch_size < 1:
         raise ValueError("make_loader: batch_size must be at least 1")
