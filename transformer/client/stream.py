@@ -123,7 +123,6 @@ class ShardReader:
         if not reached:
             raise ResumeError(url, f"it has {start} samples or fewer; sample '{anchor}' (number {start}) is gone")
 
-
     @staticmethod
     def _skipped(url: str, start: int, anchor: str | None, samples: Iterator[dict[str, Any]]
                  ) -> Iterator[tuple[int, dict[str, Any]]]:
