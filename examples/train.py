@@ -21,11 +21,22 @@ The dataset is ``--data`` in a ``--layout`` that ``transformer.client.convert`` 
 ``pets`` or ``labels``); without ``--data`` a small demo dataset of four classes is made from the
 photographs bundled with scikit-image. The service sends uint8 images (4x fewer bytes than float32);
 the prefetcher normalizes them on the GPU (or on the CPU when there is none).
+
+Checkpoints hold the loader's state with the model's: ``--checkpoint ck.pt`` saves every
+``--checkpoint-every`` steps, ``--resume`` continues from it, in the middle of an epoch, with exactly
+the batches the interrupted run would have had next::
+
+      python examples/train.py --steps 20 --checkpoint ck.pt --checkpoint-every 5   # stopped at any point
+      python examples/train.py --steps 40 --checkpoint ck.pt --resume
+
+In local mode the shards live in ``--workdir`` (next to the checkpoint by default when there is one), so
+that a resumed run reads the same shards.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 import socket
@@ -76,12 +87,26 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-etl", action="store_true",
                         help="AIS mode: upload, list and read the shards back directly; no ETL, no training")
+    parser.add_argument("--checkpoint", type=Path, help="save the model, optimizer and loader state here")
+    parser.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
+    parser.add_argument("--resume", action="store_true", help="continue from --checkpoint, mid-epoch")
+    parser.add_argument("--workdir", type=Path, help="local mode's shards and service log (default: "
+                        "<checkpoint>.work with --checkpoint, else a temporary folder)")
+    parser.add_argument("--log-batches", action="store_true", help="print a digest of each batch (to compare runs)")
     args = parser.parse_args()
+    if args.resume and not (args.checkpoint and args.checkpoint.is_file()):
+        parser.error("--resume needs an existing --checkpoint file")
+    if args.checkpoint_every < 1:
+        parser.error("--checkpoint-every must be at least 1")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     torch.manual_seed(args.seed)
 
     with ExitStack() as cleanup:
-        workdir = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="wds-train-")))
+        workdir = args.workdir or (args.checkpoint.with_name(args.checkpoint.name + ".work") if args.checkpoint
+                                   else None)
+        if workdir is None:
+            workdir = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="wds-train-")))
+        workdir.mkdir(parents=True, exist_ok=True)
         data = args.data or make_demo_dataset(workdir / "demo")
         # The service sends uint8 (not normalized); CudaPrefetcher normalizes with the ImageNet constants.
         wire = etl_args(preset=args.preset, dtype="uint8")
@@ -104,9 +129,11 @@ def main() -> int:
 
 
 def make_demo_dataset(root: Path, per_class: int = 24) -> Path:
-    """Four classes (one per photograph), each image a random crop of its photograph."""
+    """Four classes (one per photograph), each image a random crop of its photograph (kept when made already)."""
     import skimage.data
 
+    if (root / "rocket").is_dir() and len(list((root / "rocket").iterdir())) == per_class:
+        return root
     rng = np.random.default_rng(0)
     for name in ("astronaut", "coffee", "chelsea", "rocket"):
         photo = getattr(skimage.data, name)()
@@ -211,10 +238,21 @@ def train(args, urls: EpochUrls, classes: int) -> None:
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step = 0
+    if args.resume:
+        checkpoint = torch.load(args.checkpoint, map_location=device, weights_only=True)
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        torch.set_rng_state(checkpoint["rng"].cpu())
+        step = checkpoint["step"]
+        prefetcher.load_state_dict(checkpoint["loader"])  # the next pass continues that epoch mid-way
+        print(f"resumed from {args.checkpoint} at step {step}: epoch {loader.epoch}, after batch "
+              f"{checkpoint['loader']['batches']} of it")
     model.train()
-    step, started = 0, time.perf_counter()
+    done, started = step, time.perf_counter()
     print(f"training {args.arch} ({classes} classes) on {device} for {args.steps} steps")
     while step < args.steps:
+        print(f"epoch {loader.epoch}")
         for images, labels in prefetcher:  # one epoch per pass; EpochUrls give new augmentation per epoch
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 loss = torch.nn.functional.cross_entropy(model(images), labels)
@@ -222,11 +260,31 @@ def train(args, urls: EpochUrls, classes: int) -> None:
             loss.backward()
             optimizer.step()
             step += 1
-            rate = step * args.batch_size / (time.perf_counter() - started)
+            rate = (step - done) * args.batch_size / (time.perf_counter() - started)
+            batch = f", batch {digest(images, labels)}" if args.log_batches else ""
             print(f"step {step}: loss {loss.item():.3f}, {rate:.1f} img/s, input wait "
-                  f"{prefetcher.stats.wait_seconds:.2f}s, loader errors {loader.errors.count}")
+                  f"{prefetcher.stats.wait_seconds:.2f}s, loader errors {loader.errors.count}{batch}")
+            if args.checkpoint and step % args.checkpoint_every == 0:
+                save(args.checkpoint, model, optimizer, step, prefetcher)
             if step == args.steps:
                 break
+
+
+def save(path: Path, model, optimizer, step: int, prefetcher: CudaPrefetcher) -> None:
+    """Model, optimizer, RNG and the loader's state after the last batch trained on, written atomically."""
+    checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
+                  "step": step, "loader": prefetcher.state_dict()}
+    partial = path.with_name(path.name + ".partial")
+    torch.save(checkpoint, partial)
+    partial.replace(path)
+    print(f"checkpoint {path}: step {step}, epoch {checkpoint['loader']['epoch']} after batch "
+          f"{checkpoint['loader']['batches']}")
+
+
+def digest(images: torch.Tensor, labels: torch.Tensor) -> str:
+    data = hashlib.sha256(images.float().cpu().numpy().tobytes())
+    data.update(labels.cpu().numpy().tobytes())
+    return data.hexdigest()[:12]
 
 
 if __name__ == "__main__":

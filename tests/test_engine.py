@@ -250,6 +250,34 @@ def test_an_input_whose_marker_does_not_match_is_refused(run_shard: RunShard, ma
         run_shard(first[:-1024] + extra, make_options(), shard="late.tar")
 
 
+def test_skip_writes_the_rest_of_the_shard_byte_for_byte(run_shard: RunShard, make_options: MakeOptions,
+                                                         pool: TransformPool) -> None:
+    data = make_tar(mixed_members(8))
+    crop = [{"RandomResizedCrop": {"size": 16, "antialias": True}}]
+    whole, _ = run_shard(data, make_options(seed=5, transforms=crop))
+    samples = [(n, d) for n, d in read_output(whole) if not n.startswith("__etl__")]
+    for skip in (0, 1, 3, 7, 8, 20):
+        rest, report = run_shard(data, make_options(seed=5, skip=skip, transforms=crop))
+        keys = sorted({n.split(".")[0] for n, _ in samples})[skip:]
+        assert [(n, d) for n, d in read_output(rest) if not n.startswith("__etl__")] == \
+            [(n, d) for n, d in samples if n.split(".")[0] in keys]  # the same crops: per-sample seeds
+        assert report.samples_in == len(keys)  # the skipped samples are not counted as read
+        tar_members(rest)  # its own end marker, counting what it holds
+    relayed = b"".join(bytes(c) for c in transform_shard(io.BytesIO(data), make_options(seed=5, skip=3), pool,
+                                                          shard="s", object_name="s", window=4,
+                                                          writer=lambda chunk: engine.Write.REFUSED))
+    direct, _ = run_shard(data, make_options(seed=5, skip=3), shard="s")
+    assert relayed == direct  # the relayed path skips the same way
+
+
+def test_skip_counts_input_samples_not_output_ones(run_shard: RunShard, make_options: MakeOptions) -> None:
+    members = mixed_members(7, BAD)  # s-0001 and s-0004 fail and are dropped under on_error=skip
+    out, report = run_shard(make_tar(members), make_options(on_error="skip", skip=2))
+    names = [m.name for m in tar_members(out)]
+    assert names[:-1] == expected_names(members[6:], dropped={"s-0004"})  # s-0000 and s-0001 passed over
+    assert (report.samples_in, report.samples_out) == (5, 4)
+
+
 def test_broken_shard_raises_after_partial_output(run_shard: RunShard, make_options: MakeOptions) -> None:
     data = make_tar(mixed_members(6))
     with pytest.raises(ShardError, match="cut.tar"):

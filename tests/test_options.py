@@ -30,13 +30,15 @@ def test_empty_etl_args_give_the_service_defaults(settings: Settings) -> None:
 
 def test_every_field(settings: Settings) -> None:
     options = parse(
-        {"preset": "imagenet-val", "dtype": "float16", "layout": "HWC", "seed": 42, "epoch": 3, "on_error": "fail"},
+        {"preset": "imagenet-val", "dtype": "float16", "layout": "HWC", "seed": 42, "epoch": 3, "on_error": "fail",
+         "skip": 5},
         settings,
     )
     assert options.pipeline is build_pipeline("imagenet-val")
     assert (options.dtype, options.layout, options.on_error) == ("float16", "HWC", "fail")
-    assert (options.seed, options.seeded, options.epoch) == (42, True, 3)
-    assert set(FIELDS) == {"preset", "transforms", "dtype", "layout", "seed", "epoch", "on_error"}
+    assert (options.seed, options.seeded, options.epoch, options.skip) == (42, True, 3, 5)
+    assert set(FIELDS) == {"preset", "transforms", "dtype", "layout", "seed", "epoch", "on_error", "skip"}
+    assert parse({}, settings).skip == 0
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "uint8"])
@@ -85,6 +87,11 @@ def test_unknown_field_is_refused_by_name(settings: Settings, field: str) -> Non
         ({"epoch": "1"}, "epoch"),
         ({"epoch": False}, "epoch"),
         ({"epoch": 2.0}, "epoch"),
+        ({"skip": -1}, "skip"),
+        ({"skip": "3"}, "skip"),
+        ({"skip": 1.0}, "skip"),
+        ({"skip": True}, "skip"),
+        ({"skip": None}, "skip"),
         ({"preset": 5}, "preset"),
         ({"preset": "imagenet"}, "preset"),
         ({"preset": None}, "preset"),
@@ -98,6 +105,15 @@ def test_bad_values_name_the_field(settings: Settings, args: dict, field: str) -
         parse(args, settings)
     assert info.value.field == field
     assert f"'{field}'" in info.value.message
+
+
+def test_forwarded_etl_args_leave_skip_out() -> None:
+    from transformer.options import forwarded_etl_args
+
+    assert forwarded_etl_args("") == ""
+    assert forwarded_etl_args('{"dtype": "uint8"}') == '{"dtype": "uint8"}'  # untouched without skip
+    assert json.loads(forwarded_etl_args('{"dtype": "uint8", "skip": 4, "seed": 1}')) == {"dtype": "uint8", "seed": 1}
+    assert forwarded_etl_args('{"skip": 4}') == ""
 
 
 def test_preset_and_transforms_conflict(settings: Settings) -> None:

@@ -246,16 +246,21 @@ def _submitted(stream, options, pool, shard, object_name, report, cancel, check,
 
     An input that is itself the output of this ETL (a pipeline stage before us, an ETL'd copy) ends
     with an end marker: it is checked against what came before it and dropped, as this shard gets its own.
+    The first ``options.skip`` samples are read past (their bytes only; nothing decoded, nothing written).
     """
     whole = ShardCheck(shard)
+    read = 0  # the skipped samples too
     for sample in read_samples(stream, shard, options.max_member_bytes):
         check()
         if whole.sample(sample):
             continue
+        read += 1
+        whole.samples = read  # for the message, should its marker not match
+        if read == 1:
+            report.mtime = sample.members[0].info.mtime  # reproducible manifest header, skip or not
+        if read <= options.skip:
+            continue
         report.samples_in += 1
-        whole.samples = report.samples_in  # for the message, should its marker not match
-        if report.samples_in == 1:
-            report.mtime = sample.members[0].info.mtime  # reproducible manifest header
         task = None
         if needs_transform(sample, options):
             task = pool.submit(transform_sample, sample, options, shard, object_name, cancel=cancel, on_done=on_done)

@@ -1,8 +1,12 @@
 """Per-request options: ``etl_args`` (a JSON object) over the service defaults.
 
 Fields: ``preset`` or ``transforms`` (a spec), ``dtype``, ``layout``, ``seed``, ``epoch``,
-``on_error``. Unknown fields are refused rather than ignored, so a typo never silently falls back to
-a default. Every error names the field.
+``on_error``, ``skip``. Unknown fields are refused rather than ignored, so a typo never silently falls
+back to a default. Every error names the field.
+
+``skip`` passes over the shard's first samples without decoding or writing them: a reader resuming in
+the middle of a shard asks for the rest only. It applies to this pod's input; the ``etl_args``
+forwarded to a next stage or a destination leave it out (``forwarded_etl_args``).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from .config import DTYPES, ERROR_POLICIES, LAYOUTS, Settings
 from .errors import OptionsError
 from .spec import Pipeline, build_pipeline, parse_spec_text
 
-FIELDS = ("preset", "transforms", "dtype", "layout", "seed", "epoch", "on_error")
+FIELDS = ("preset", "transforms", "dtype", "layout", "seed", "epoch", "on_error", "skip")
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,7 @@ class TransformOptions:
     seed: int  # always concrete: a random one when the caller gave none
     seeded: bool  # whether ``seed`` came from the caller (reproducible) or was drawn
     epoch: int
+    skip: int  # input samples passed over before the first one transformed
     image_exts: frozenset[str]
     mask_exts: frozenset[str]
     max_member_bytes: int
@@ -77,6 +82,9 @@ def options_from_mapping(args: dict[str, Any], settings: Settings) -> TransformO
     epoch = args.get("epoch", 0)
     if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
         raise OptionsError("epoch", "must be a non-negative integer")
+    skip = args.get("skip", 0)
+    if not isinstance(skip, int) or isinstance(skip, bool) or skip < 0:
+        raise OptionsError("skip", "must be a non-negative integer (samples to pass over)")
 
     return TransformOptions(
         pipeline=pipeline,
@@ -86,12 +94,27 @@ def options_from_mapping(args: dict[str, Any], settings: Settings) -> TransformO
         seed=seed_value if seed_value is not None else int.from_bytes(os.urandom(8), "little"),
         seeded=seed_value is not None,
         epoch=epoch,
+        skip=skip,
         image_exts=settings.image_exts,
         mask_exts=settings.mask_exts,
         max_member_bytes=settings.max_member_bytes,
         max_image_pixels=settings.max_image_pixels,
         error_manifest=settings.error_manifest,
     )
+
+
+def forwarded_etl_args(raw: str) -> str:
+    """The ``etl_args`` a next hop gets: the same, without ``skip`` (it applied to this pod's input).
+
+    Parsed already (``parse_etl_args`` accepted it), so ``raw`` is empty or a JSON object.
+    """
+    if not raw or not raw.strip():
+        return raw
+    args = json.loads(raw)
+    if "skip" not in args:
+        return raw
+    del args["skip"]
+    return json.dumps(args, separators=(",", ":")) if args else ""
 
 
 def _choice(args: dict[str, Any], name: str, allowed: tuple[str, ...], default: str) -> str:

@@ -2,45 +2,33 @@
 
 from __future__ import annotations
 
-import random
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
-from transformer.client.dali import EtlBatchSource, buffered_shuffle, collect_batches, pad_last_batch
+from transformer.client import LoaderStateError
+from transformer.client.dali import EtlBatchSource
 
 from .test_loader import write_shards
 
 
-@given(st.lists(st.integers(), max_size=60), st.integers(1, 20), st.integers(0, 2**32))
-def test_buffered_shuffle_yields_each_item_once(items: list[int], size: int, seed: int) -> None:
-    assert sorted(buffered_shuffle(items, size, random.Random(seed))) == sorted(items)
+def test_batch_source_shuffles_each_sample_once_seeded(tmp_path: Path) -> None:
+    urls = write_shards(tmp_path, 5, 20)
 
+    def labels(seed: int, fill: int) -> list[int]:
+        source = EtlBatchSource(urls, 7, keys=("npy", "cls"), random_shuffle=True, initial_fill=fill, seed=seed)
+        return [int(label) for _, batch in source for label in batch]
 
-def test_buffered_shuffle_is_seeded_and_shuffles() -> None:
-    items = list(range(100))
-    first = list(buffered_shuffle(items, 16, random.Random(1)))
-    assert first == list(buffered_shuffle(items, 16, random.Random(1)))
-    assert first != items and first != list(buffered_shuffle(items, 16, random.Random(2)))
-    with pytest.raises(ValueError):
-        list(buffered_shuffle(items, 0, random.Random(1)))
-
-
-@pytest.mark.parametrize(("count", "padded"), [(0, 0), (4, 4), (5, 8), (7, 8)])
-def test_pad_last_batch_repeats_the_last_item(count: int, padded: int) -> None:
-    out = list(pad_last_batch(range(count), 4))
-    assert len(out) == padded and out[:count] == list(range(count))
-    assert all(x == count - 1 for x in out[count:])
-
-
-def test_collect_batches_transposes_samples() -> None:
-    samples = [(np.full(2, i), np.asarray(i)) for i in range(5)]
-    batches = list(collect_batches(samples, 2))
-    assert [len(b[0]) for b in batches] == [2, 2, 1]
-    assert [int(x) for x in batches[0][1]] == [0, 1] and len(batches[0]) == 2
+    first = labels(1, 16)
+    assert sorted(first) == list(range(100))  # each sample once, the last batch partial
+    assert first == labels(1, 16) and first != labels(2, 16) and first != sorted(first)
+    assert sorted(labels(1, 500)) == list(range(100))  # a buffer larger than the epoch
+    plain = [int(label) for _, batch in EtlBatchSource(urls, 7, keys=("npy", "cls")) for label in batch]
+    assert plain == list(range(100))
+    with pytest.raises(ValueError, match="initial_fill"):
+        EtlBatchSource(urls, 4, random_shuffle=True, initial_fill=0)
 
 
 def test_batch_source_epochs_shards_and_padding(tmp_path: Path) -> None:
@@ -57,6 +45,49 @@ def test_batch_source_epochs_shards_and_padding(tmp_path: Path) -> None:
     assert not halves[0] & halves[1] and halves[0] | halves[1] == set(range(20))
     image, label = next(iter(EtlBatchSource(urls, 2)))
     assert image[0].shape == (3, 4, 4) and label[0].dtype == np.int64 and label[0].shape == ()
+
+
+def source_of(urls: list[str], **kwargs) -> EtlBatchSource:
+    options = {"keys": ("npy", "cls"), "random_shuffle": True, "initial_fill": 6, "seed": 2, "pad_last_batch": True,
+               **kwargs}
+    return EtlBatchSource(urls, 4, **options)
+
+
+def labels_of(batches) -> list[list[int]]:
+    return [[int(label) for label in labels] for _, labels in batches]
+
+
+@pytest.mark.parametrize("stop", [1, 3, 5])
+def test_batch_source_resumes_mid_epoch(tmp_path: Path, stop: int) -> None:
+    urls = write_shards(tmp_path, 4, 5)
+    whole = labels_of(source_of(urls))
+    assert len(whole) == 5 and len(whole[-1]) == 4  # 20 samples, the last batch padded
+    source = source_of(urls)
+    batches = iter(source)
+    head = labels_of(next(batches) for _ in range(stop))
+    state = json.loads(json.dumps(source.state_dict()))
+    assert state["kind"] == "EtlBatchSource" and state["batches"] == stop and state["epoch"] == 0
+    resumed = source_of(urls)
+    resumed.load_state_dict(state)
+    assert head + labels_of(resumed) == whole
+    assert resumed.epoch == 1 and resumed.state_dict()["batches"] == 0  # the next epoch, from its start
+
+
+def test_batch_source_holds_the_states_of_its_last_batches(tmp_path: Path) -> None:
+    urls = write_shards(tmp_path, 3, 5)
+    source = source_of(urls)
+    batches = iter(source)
+    for _ in range(3):
+        next(batches)
+    assert source.state_dict(epoch=0, batches=1)["batches"] == 1
+    assert source.state_dict(epoch=0, batches=0)["stream"] is None  # the epoch's start
+    with pytest.raises(ValueError, match="batch 7 of epoch 0 is not held"):
+        source.state_dict(epoch=0, batches=7)
+    with pytest.raises(ValueError, match="give epoch and batches"):
+        source.state_dict(epoch=0)
+    other = source_of(urls, shard_id=1, num_shards=2)
+    with pytest.raises(LoaderStateError, match=r"shard_id \(saved 0, this loader 1\); num_shards"):
+        other.load_state_dict(source.state_dict())
 
 
 dali = pytest.importorskip("nvidia.dali", reason="DALI (the dali extra) is not installed")
@@ -116,3 +147,31 @@ def test_dali_pipeline_pads_the_last_batch_and_quiet_cycles(tmp_path: Path) -> N
         _, batch = quiet.run()
         labels += [int(np.array(batch[i])) for i in range(len(batch))]
     assert labels == [0, 1, 2, 3, 4, 5, 5, 5] * 2  # epochs follow each other without StopIteration
+
+
+def test_dali_pipeline_resumes_from_the_state_of_the_last_batch_it_returned(tmp_path: Path) -> None:
+    import nvidia.dali.fn as fn
+
+    urls = write_shards(tmp_path, 3, 5)
+
+    def pipe_of(source: EtlBatchSource):
+        @dali.pipeline_def(batch_size=4, num_threads=1, device_id=None)
+        def pipeline():
+            return tuple(fn.external_source(source=source, num_outputs=2, batch=True, cycle="raise"))
+
+        pipe = pipeline()
+        pipe.build()
+        return pipe
+
+    whole = [label for _, label in run_epoch(pipe_of(source_of(urls)))]
+    source = source_of(urls)
+    pipe = pipe_of(source)
+    head = []
+    for _ in range(2):
+        _, labels = pipe.run()
+        head += [int(np.array(labels[i])) for i in range(len(labels))]
+    assert source.state_dict()["batches"] >= 2  # DALI asks for batches ahead of the ones run() returned
+    state = json.loads(json.dumps(source.state_dict(epoch=0, batches=2)))
+    fresh = source_of(urls)
+    fresh.load_state_dict(state)
+    assert head + [label for _, label in run_epoch(pipe_of(fresh))] == whole

@@ -1,4 +1,5 @@
-"""The README's example stays runnable: local service, loader, prefetcher, a few training steps."""
+"""The README's example stays runnable: local service, loader, prefetcher, a few training steps; a run
+stopped at a checkpoint and resumed trains on the batches the uninterrupted run had."""
 
 from __future__ import annotations
 
@@ -12,18 +13,32 @@ import pytest
 from tests.contract.harness import base_env
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train.py"
+STEP = re.compile(r"step (\d+): loss (\d+\.\d+), .* loader errors (\d+), batch ([0-9a-f]{12})")
 
 
-@pytest.mark.slow
-def test_training_example_runs_locally() -> None:
+def train(*args: str) -> str:
     result = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--steps", "2", "--batch-size", "4", "--workers", "1",
-         "--arch", "mobilenet_v3_small"],
+        [sys.executable, str(EXAMPLE), "--batch-size", "4", "--workers", "1", "--arch", "mobilenet_v3_small",
+         "--log-batches", *args],
         capture_output=True, text=True, timeout=300, env=base_env(), cwd=EXAMPLE.parents[1],
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    assert "96 samples in 6 shards" in result.stdout
-    steps = re.findall(r"step (\d+): loss (\d+\.\d+), .* loader errors (\d+)", result.stdout)
-    assert [int(s) for s, _, _ in steps] == [1, 2]
-    assert all(errors == "0" for _, _, errors in steps)
-    assert "communication: hpull://" in result.stdout  # the runtime spec it would register on AIS
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_training_example_runs_locally_and_resumes_mid_epoch(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "ck.pt"
+    first = train("--steps", "3", "--checkpoint", str(checkpoint), "--checkpoint-every", "2")
+    assert "96 samples in 6 shards" in first
+    steps = STEP.findall(first)
+    assert [int(s) for s, _, _, _ in steps] == [1, 2, 3]
+    assert all(errors == "0" for _, _, errors, _ in steps)
+    assert "communication: hpull://" in first  # the runtime spec it would register on AIS
+    assert "checkpoint" in first and checkpoint.is_file() and (tmp_path / "ck.pt.work" / "mountpath").is_dir()
+
+    resumed = train("--steps", "4", "--checkpoint", str(checkpoint), "--checkpoint-every", "2", "--resume")
+    assert "at step 2: epoch 0, after batch 2 of it" in resumed
+    after = STEP.findall(resumed)
+    assert [int(s) for s, _, _, _ in after] == [3, 4]
+    assert after[0][3] == steps[2][3]  # step 3 trains on the batch the first run had at step 3

@@ -38,6 +38,9 @@ def test_etl_args_refuses_what_the_service_would() -> None:
         etl_args(preset="imagenet-val", transforms=["RandomHorizontalFlip"])
     with pytest.raises(ValueError, match="epoch"):
         etl_args(epoch=-1)
+    assert etl_args(skip=4) == {"skip": 4}
+    with pytest.raises(ValueError, match="skip"):
+        etl_args(skip=-1)
     with pytest.raises(ValueError, match="unknown field 'size'"):
         encode_etl_args({"size": 224})
 
@@ -58,6 +61,21 @@ def test_set_etl_args_replaces_only_that_parameter() -> None:
     assert "etl_args" not in set_etl_args(changed, None)
     # Braces inside etl_args are percent-encoded, so webdataset's brace expansion never touches them.
     assert "{" not in urlsplit(changed).query
+
+
+def test_with_skip_goes_only_to_etl_urls_and_adds_up() -> None:
+    from transformer.client.urls import is_etl_url, with_skip
+
+    through_ais = "http://proxy:8080/v1/objects/b/a.tar?provider=ais&etl_name=wds-etl"
+    at_pod = "http://pod:8000/ais%2F%40%23%2Fb%2Fa.tar?etl_fqn=%2Fmnt%2Fa.tar"
+    assert is_etl_url(through_ais) and is_etl_url(at_pod)
+    assert is_etl_url("http://pod:8000/ais%2F%40%23%2Fb%2Fa.tar?etl_args=%7B%7D")
+    assert not is_etl_url("http://proxy:8080/v1/objects/b/a.tar?provider=ais")  # the raw object
+    assert not is_etl_url("/data/shard-000.tar") and not is_etl_url("pipe:cat a.tar")
+    skipped = with_skip(set_etl_args(through_ais, {"seed": 1}), 5)
+    assert get_etl_args(skipped) == {"seed": 1, "skip": 5}
+    assert get_etl_args(with_skip(skipped, 2)) == {"seed": 1, "skip": 7}
+    assert parse_qs(urlsplit(skipped).query)["etl_name"] == ["wds-etl"]
 
 
 def test_epoch_urls_carry_epoch_and_one_seed() -> None:

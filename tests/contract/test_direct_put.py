@@ -248,3 +248,21 @@ def test_errors_never_reveal_the_etl_secret(client: httpx.Client, impatient: Ser
     for response in answers:
         assert response.status_code >= 400
         assert target.secret not in response.text, response.text
+
+
+def test_skip_applies_to_the_first_stage_only(client: httpx.Client, service: Service, disk: AisDisk,
+                                              dest_target: FakeTarget) -> None:
+    # A skips the shard's first sample; B gets A's output and etl_args without skip, so it skips nothing more.
+    inputs = imagenet_like_members(3)
+    fqn = disk.put("src", "pipe-skip.tar", make_tar(inputs))
+    skipping = json.dumps({"dtype": "uint8", "skip": 1}, separators=(",", ":"))
+    inline = client.put(f"/src/pipe-skip.tar?{fqn_query(fqn, skipping)}", content=b"")
+    assert inline.status_code == 200, inline.text
+    header = f"{service.url},{destination(dest_target, 'pipe-skip.tar', query='owt=3')}"
+    response = client.put(f"/src/pipe-skip.tar?{fqn_query(fqn, skipping)}", content=b"", headers={NODE_URL: header})
+    assert response.status_code == 204, response.text
+    (put,) = dest_target.recorded("PUT")
+    assert put.query_pairs == [("owt", "3"), ("etl_args", ARGS)]
+    assert read_tar(put.body) == read_tar(inline.content)
+    samples = {name.split(".")[0] for name, _ in read_tar(put.body) if not name.startswith("__etl__")}
+    assert samples == {"sample-000001", "sample-000002"}

@@ -100,3 +100,16 @@ def test_hpull_fetch_stalled_past_obj_timeout_is_504(impatient: Service, target:
     assert response.status_code == 504
     assert "slow.tar" in response.text
     assert elapsed < 5.0  # within the 2 s obj_timeout (plus slack), not after the upstream's 6 s
+
+
+def test_hpull_skip_sends_the_rest_of_the_shard(client: httpx.Client, disk: AisDisk) -> None:
+    inputs = imagenet_like_members(4)
+    fqn = disk.put("train", "skip.tar", make_tar(inputs))
+    seeded = {"preset": "imagenet-train", "dtype": "uint8", "seed": 9}
+    whole = client.get(f"/{escaped_uname('train', 'skip.tar')}?{fqn_query(fqn, json.dumps(seeded))}")
+    rest = client.get(f"/{escaped_uname('train', 'skip.tar')}?{fqn_query(fqn, json.dumps({**seeded, 'skip': 3}))}")
+    assert whole.status_code == rest.status_code == 200, rest.text
+    tail = [(n, d) for n, d in read_tar(whole.content) if n.startswith("sample-000003")]
+    assert [(n, d) for n, d in read_tar(rest.content) if not n.startswith("__etl__")] == tail  # same draws
+    bad = client.get(f"/{escaped_uname('train', 'skip.tar')}?{fqn_query(fqn, json.dumps({'skip': -2}))}")
+    assert bad.status_code == 400 and "skip" in bad.text

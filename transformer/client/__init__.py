@@ -5,10 +5,10 @@ torch, webdataset and the aistore SDK. DALI (``transformer.client.dali``) is opt
 only when a DALI pipeline is built.
 
 Modules: ``registration`` (EtlSettings, register/unregister, runtime spec YAML), ``urls`` (etl_args,
-shard and pod URLs), ``reading`` (whole shards: end marker checked, a cut one continued),
-``loader`` (make_loader), ``prefetch`` (CudaPrefetcher), ``convert`` (folder
-datasets -> shards in a bucket), ``shuffle`` (dSort), ``offline`` (an ETL'd copy of a bucket, job
-errors, pod logs), ``dali`` (external_source feeder).
+shard and pod URLs), ``reading`` (whole shards: end marker checked, a cut one continued), ``stream``
+(one resumable stream of samples), ``loader`` (make_loader, state_dict/load_state_dict), ``prefetch``
+(CudaPrefetcher), ``convert`` (folder datasets -> shards in a bucket), ``shuffle`` (dSort), ``offline``
+(an ETL'd copy of a bucket, job errors, pod logs), ``dali`` (external_source feeder).
 """
 
 from ..integrity import IncompleteShard
@@ -20,6 +20,7 @@ from .errors import (
     EtlNameError,
     EtlRequestError,
     EtlSpecMismatch,
+    LoaderStateError,
     ShardFetchError,
     ShuffleError,
 )
@@ -45,6 +46,7 @@ from .registration import (
     validate_name,
 )
 from .shuffle import ShuffleResult, dsort_framework, shuffle_shards
+from .stream import ResumeError
 from .urls import EpochUrls, encode_etl_args, etl_args, path_escape, pod_urls, set_etl_args, shard_urls
 
 __all__ = [
@@ -60,10 +62,12 @@ __all__ = [
     "EtlRequestError",
     "EtlSettings",
     "EtlSpecMismatch",
+    "LoaderStateError",
     "OfflineJob",
     "OfflineOptionsMismatch",
     "PrefetchStats",
     "Registration",
+    "ResumeError",
     "ShardFetchError",
     "ShuffleError",
     "ShuffleResult",

@@ -89,3 +89,7 @@ def etl_hint(ais_message: str) -> str:
         return ("This aisnode was built without ETL support (Go build tag 'etl'; AIS images with it: "
                 "aistorage/aisnode:<version>-etl), and ETL also needs AIS deployed in Kubernetes")
     return ""
+
+
+class LoaderStateError(ClientError, ValueError):
+    """A saved loader state this loader cannot resume from: another configuration, or another format."""

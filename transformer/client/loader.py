@@ -1,40 +1,49 @@
-"""The consuming side: a webdataset ``WebLoader`` over ETL'd shards, batched inside the workers.
+"""The consuming side: a PyTorch DataLoader over ETL'd shards, batched inside the workers, resumable.
 
-Pipeline, per DataLoader worker (webdataset ``DataPipeline`` stages)::
+Per DataLoader worker (``stream.SampleStream``)::
 
     shard list (epoch URLs, seeded shard shuffle, identical on every rank and worker)
-      -> split_by_node -> split_by_worker          (or: seeded resampling, for endless streams)
-      -> open over HTTP -> tar members -> samples   (webdataset tariterators)
+      -> split by rank -> split by worker          (or: seeded draws with replacement, for endless streams)
+      -> read each shard whole over HTTP           (reading.whole_shard_samples: end marker, cut reads continued)
       -> seeded shuffle buffer -> decode .npy/.cls -> to_tuple(keys) -> batch
 
 The shard order is shuffled *before* it is split, with a seed shared by all ranks and workers, so
 each shard is read exactly once per epoch across the whole job. Errors go to ``ErrorCounter``, which
 counts (across worker processes), logs the first few and skips: webdataset's ``warn_and_continue``
 sleeps 0.5 s per error (performance doc section 1.2).
+
+Resume: each batch a worker sends carries that worker's stream state right after it (which shard,
+how many of its samples, the shuffle buffer's samples by key, the draws made). The loader keeps the
+last one per worker and the number of batches yielded; ``state_dict()`` is that, ``load_state_dict()``
+starts the next ``iter()`` where it was. The DataLoader hands batches out round-robin over its
+workers, skipping the ones that are done, and restarts its cycle at worker 0: so after a batch of
+worker w, the resumed DataLoader's worker j runs the stream of worker (w + 1 + j) mod W.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
+import hashlib
 import logging
 import multiprocessing
 import random
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 import torch
-import webdataset as wds
-from webdataset.filters import default_collation_fn, pipelinefilter
+from webdataset.filters import default_collation_fn
 from webdataset.utils import pytorch_worker_info
 
-from .errors import ClientError
-from .reading import open_shard, whole_samples
+from .errors import ClientError, LoaderStateError
+from .stream import SampleStream, ShardReader, StreamSpec, check_snapshot, generator_key, plain
 
 log = logging.getLogger("transformer.client")
 
 LAST_BATCH = ("partial", "drop", "pad")
 DEFAULT_KEYS = ("npy;image.npy", "cls")
+STATE_FORMAT = "ais-wds-loader-state/1"
 
 
 class ErrorCounter:
@@ -74,42 +83,10 @@ def _describe(exc: BaseException) -> str:
     return f"{exc.__class__.__name__}: {text}"[:500]
 
 
-class ShardList(wds.utils.PipelineStage):
-    """The epoch's shard URLs as ``{"url": ...}`` dicts: shuffled, then split by node and worker.
-
-    ``urls`` is a list or a callable ``epoch -> list`` (e.g. ``EpochUrls``, whose etl_args carry the
-    epoch). With ``resampled`` each worker draws shards at random, with replacement, forever (seeded
-    per rank and worker); pair it with an epoch length.
-    """
-
-    def __init__(self, urls: Sequence[str] | Callable[[int], Sequence[str]], *, shuffle: bool, seed: int,
-                 split_nodes: bool, resampled: bool = False):
-        self.urls = urls
-        self.shuffle = shuffle
-        self.seed = seed
-        self.split_nodes = split_nodes
-        self.resampled = resampled
-        self.epoch = 0
-
-    def epoch_urls(self) -> list[str]:
-        urls = list(self.urls(self.epoch) if callable(self.urls) else self.urls)
-        if not urls:
-            raise ClientError("no shard URLs for this epoch")
-        return urls
-
-    def run(self) -> Iterator[dict[str, str]]:
-        urls = self.epoch_urls()
-        rank, world, worker, workers = pytorch_worker_info()
-        if self.resampled:
-            rng = random.Random(_mix(self.seed, self.epoch, rank, worker))
-            while True:
-                yield {"url": rng.choice(urls)}
-        if self.shuffle:
-            random.Random(_mix(self.seed, self.epoch)).shuffle(urls)  # the same order on every rank/worker
-        if self.split_nodes and world > 1:
-            urls = urls[rank::world]
-        for url in urls[worker::workers]:
-            yield {"url": url}
+def _describe(exc: BaseException) -> str:
+    parts = [str(a) for a in exc.args if isinstance(a, (str, int)) and str(a)]
+    text = "; ".join(parts) if parts else exc.__class__.__name__
+    return f"{exc.__class__.__name__}: {text}"[:500]
 
 
 def _mix(*values: int) -> str:
@@ -118,28 +95,41 @@ def _mix(*values: int) -> str:
     return ":".join(str(v) for v in values)
 
 
-def _samples(data: Iterable[dict[str, Any]], handler: Callable[[BaseException], bool],
-             timeout: tuple[float, float], retries: int = 2, require_marker: bool = True) -> Iterator[dict[str, Any]]:
-    """Each shard's samples, whole (``reading.whole_samples``: end marker checked, a cut shard continued)."""
-    return whole_samples(data, handler, opener=functools.partial(open_shard, timeout=timeout), retries=retries,
-                         require_marker=require_marker)
+def epoch_urls(urls: Sequence[str] | Callable[[int], Sequence[str]], epoch: int) -> tuple[str, ...]:
+    found = tuple(urls(epoch) if callable(urls) else urls)
+    if not found:
+        raise ClientError("no shard URLs for this epoch")
+    return found
 
 
-def _seeded_shuffle(data: Iterable[Any], bufsize: int, seed: int, stage: ShardList) -> Iterator[Any]:
-    """webdataset's shuffle buffer, seeded per (seed, epoch, rank, worker): reproducible, not repeated."""
-    rank, _, worker, _ = pytorch_worker_info()
-    seeded = _mix(seed, stage.epoch, rank, worker)
-    return wds.filters._shuffle(iter(data), bufsize=bufsize, initial=bufsize, seed=seeded)
+def shard_order(count: int, *, shuffle: bool, seed: int, epoch: int, part: int = 0, parts: int = 1) -> tuple[int, ...]:
+    """URL indices in reading order: shuffled the same way in every process (seed, epoch), then part
+    ``part`` of ``parts`` (a rank's, a worker's)."""
+    order = list(range(count))
+    if shuffle:
+        random.Random(_mix(seed, epoch)).shuffle(order)
+    return tuple(order[part::parts])
 
 
-def _batches(data: Iterable[tuple], batch_size: int, last_batch: str) -> Iterator[tuple]:
+def urls_digest(urls: Sequence[str]) -> str:
+    """A fingerprint of a URL list, without the endpoints (scheme, host, port): the same bucket,
+    objects and etl_args read through another proxy, or a restarted local service, are the same shards."""
+    digest = hashlib.sha256()
+    for url in urls:
+        parts = urlsplit(url)
+        digest.update((url if not parts.netloc else parts._replace(scheme="", netloc="").geturl()).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()[:32]
+
+
+def _batches(samples: Iterator[tuple], batch_size: int, last_batch: str) -> Iterator[tuple]:
     """Batches of ``batch_size``; the last one partial, dropped, or padded by repeating its last sample.
 
     With ``pad`` every batch gets one more element, a bool tensor marking the real samples, so that
     metrics can ignore the repeated ones.
     """
     batch: list[tuple] = []
-    for sample in data:
+    for sample in samples:
         batch.append(sample)
         if len(batch) == batch_size:
             yield _collate(batch, batch_size if last_batch == "pad" else None)
@@ -161,23 +151,136 @@ def _collate(batch: list[tuple], real: int | None) -> tuple:
     return (*collated, valid)
 
 
+class _Snapshot:
+    """A worker's stream state right after one of its batches; travels with the batch, untouched by the
+    DataLoader's conversions (they do not look into objects of other types)."""
+
+    __slots__ = ("worker", "state")
+
+    def __init__(self, worker: int, state: dict[str, Any]):
+        self.worker = worker
+        self.state = state
+
+    def __reduce__(self):
+        return _Snapshot, (self.worker, self.state)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Everything the batches of an epoch depend on, except the epoch."""
+
+    urls: Sequence[str] | Callable[[int], Sequence[str]]
+    keys: tuple[str, ...]
+    batch_size: int
+    last_batch: str
+    seed: int
+    shuffle_shards: bool
+    shuffle_buffer: int
+    resampled: bool
+    epoch_batches: int | None
+    split_by_node: bool
+    rank: int
+    world_size: int
+    streams: int  # logical workers: max(1, num_workers)
+
+    def fingerprint(self, epoch: int) -> dict[str, Any]:
+        """What a saved state must match (JSON-able)."""
+        urls = epoch_urls(self.urls, epoch)
+        return {"urls": urls_digest(urls), "shards": len(urls), "seed": self.seed, "batch_size": self.batch_size,
+                "workers": self.streams, "shuffle_buffer": self.shuffle_buffer, "shuffle_shards": self.shuffle_shards,
+                "last_batch": self.last_batch, "keys": list(self.keys), "resampled": self.resampled,
+                "epoch_batches": self.epoch_batches, "split_by_node": self.split_by_node, "rank": self.rank,
+                "world_size": self.world_size}
+
+
+class _Streams(torch.utils.data.IterableDataset):
+    """What the DataLoader iterates: in each worker, (batch, ``_Snapshot``) pairs of that worker's stream.
+
+    ``epoch``, ``start`` (logical worker -> the state to continue from) and ``first`` (the logical
+    worker that physical worker 0 runs) are set before each DataLoader iteration; the workers get a
+    copy when they start.
+    """
+
+    def __init__(self, config: _Config, errors: ErrorCounter, reader: ShardReader):
+        super().__init__()
+        self.config = config
+        self.errors = errors
+        self.reader = reader
+        self.epoch = 0
+        self.start: dict[int, dict[str, Any]] = {}
+        self.first = 0
+
+    def spec(self, worker: int) -> StreamSpec:
+        c = self.config
+        urls = epoch_urls(c.urls, self.epoch)
+        order = None
+        if not c.resampled:
+            split = c.split_by_node and c.world_size > 1
+            mine = shard_order(len(urls), shuffle=c.shuffle_shards, seed=c.seed, epoch=self.epoch,
+                               part=c.rank if split else 0, parts=c.world_size if split else 1)
+            order = mine[worker::c.streams]
+        key = (c.seed, self.epoch, c.rank, worker)  # every rank and worker shuffles its own way
+        return StreamSpec(urls, order, generator_key(*key, "shards"), generator_key(*key, "buffer"),
+                          c.shuffle_buffer, c.keys)
+
+    def __iter__(self) -> Iterator[tuple[tuple, _Snapshot]]:
+        info = torch.utils.data.get_worker_info()
+        physical, count = (info.id, info.num_workers) if info is not None else (0, 1)
+        if count != self.config.streams:
+            raise RuntimeError(f"the DataLoader runs {count} workers, the loader was made for {self.config.streams}")
+        worker = (self.first + physical) % count
+        start = self.start.get(worker)
+        stream = SampleStream(self.spec(worker), self.reader, self.errors, start)
+        made = start["batches"] if start else 0
+        for batch in _batches(stream.tuples(), self.config.batch_size, self.config.last_batch):
+            made += 1
+            yield batch, _Snapshot(worker, {"worker": worker, "batches": made, **stream.snapshot()})
+
+
+@dataclasses.dataclass
+class _Position:
+    """Where a loader is: in ``epoch``, after ``batches`` batches (in pass ``passes`` of a finite stream
+    that ``epoch_batches`` restarts), the next one from logical worker ``next_worker``; ``workers``
+    holds each worker's state after its last batch."""
+
+    epoch: int
+    batches: int = 0
+    passes: int = 0
+    next_worker: int = 0
+    workers: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    finished: bool = False
+
+    def copy(self) -> _Position:
+        return dataclasses.replace(self, workers=dict(self.workers))
+
+
 class EtlLoader:
-    """An iterable of batches (tuples of tensors), one epoch per ``iter()``.
+    """An iterable of batches (tuples of tensors), one epoch per ``iter()``, resumable mid-epoch.
 
     Each ``iter()`` starts the next epoch (``set_epoch`` to choose it, as with ``DistributedSampler``):
     the epoch picks the shard order, the shuffle buffer's seed, and, with ``EpochUrls``, the ETL's
     augmentation draws. Workers are restarted per epoch so they see it. ``errors`` counts the samples
     and shards skipped so far.
+
+    ``state_dict()`` is where the loader is: after the last batch it yielded (the start of the next
+    epoch once an epoch is over). ``load_state_dict(state)`` makes the next ``iter()`` yield exactly
+    the batches that would have followed. The state is small and JSON-serialisable.
     """
 
-    def __init__(self, loader: wds.WebLoader, shards: ShardList, errors: ErrorCounter, batches: int | None,
-                 num_workers: int):
-        self.webloader = loader
-        self.shards = shards
+    def __init__(self, dataloader: torch.utils.data.DataLoader, streams: _Streams, errors: ErrorCounter,
+                 batches: int | None, num_workers: int, epoch: int = 0):
+        self.dataloader = dataloader
+        self.streams = streams
         self.errors = errors
         self.batches_per_epoch = batches
         self.num_workers = num_workers
-        self._next_epoch = shards.epoch
+        self._next_epoch = epoch
+        self._progress: _Position | None = None  # the epoch being (or last) iterated
+        self._pending: _Position | None = None  # a loaded state, for the next iter()
+
+    @property
+    def config(self) -> _Config:
+        return self.streams.config
 
     @property
     def epoch(self) -> int:
@@ -185,19 +288,169 @@ class EtlLoader:
         return self._next_epoch
 
     def set_epoch(self, epoch: int) -> None:
+        """The epoch the next ``iter()`` yields, from its start; a loaded state of that same epoch is kept."""
         if epoch < 0:
             raise ValueError("set_epoch: epoch must be non-negative")
+        if self._pending is not None and self._pending.epoch != epoch:
+            self._pending = None
+        self._progress = None
         self._next_epoch = epoch
 
     def __iter__(self) -> Iterator[tuple]:
-        self.shards.epoch = self._next_epoch  # copied into the workers when they start
-        self._next_epoch += 1
-        return iter(self.webloader)
+        epoch = self._next_epoch
+        position, self._pending = self._pending or _Position(epoch), None
+        self._next_epoch = epoch + 1
+        self._progress = position
+        return self._epoch(position)
+
+    def _epoch(self, position: _Position) -> Iterator[tuple]:
+        streams, total = self.streams, self.batches_per_epoch
+        count = streams.config.streams
+        start, first = dict(position.workers), position.next_worker
+        if total is not None and position.batches >= total:
+            position.finished = True
+            return
+        while True:
+            streams.epoch, streams.start, streams.first = position.epoch, start, first
+            yielded = 0
+            for batch, snapshot in self.dataloader:
+                position.workers[snapshot.worker] = snapshot.state
+                position.next_worker = (snapshot.worker + 1) % count
+                position.batches += 1
+                yielded += 1
+                yield batch
+                if total is not None and position.batches >= total:
+                    position.finished = True
+                    return
+            if total is None or (yielded == 0 and not start):  # the end, or an empty stream
+                position.finished = True
+                return
+            # epoch_batches over a finite stream: it starts again until the epoch has its batches.
+            position.passes += 1
+            position.workers, position.next_worker = {}, 0
+            start, first = {}, 0
 
     def __len__(self) -> int:
         if self.batches_per_epoch is None:
             raise TypeError("this loader has no fixed length; give epoch_batches to make_loader")
         return self.batches_per_epoch
+
+    # ---- state --------------------------------------------------------------------------------------
+
+    def _position(self) -> _Position:
+        """Where the loader is now (a copy; cheap: the worker states are shared, never changed)."""
+        if self._pending is not None:
+            return self._pending.copy()
+        progress, total = self._progress, self.batches_per_epoch
+        if progress is None or progress.finished or (total is not None and progress.batches >= total):
+            return _Position(self._next_epoch)  # the epoch is over: the next one, from its start
+        return progress.copy()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's state after the last batch it yielded, as plain JSON data: about 200 bytes per
+        worker and 30 per sample in its shuffle buffer. Store it with the model; ``load_state_dict`` resumes."""
+        return self._state_of(self._position())
+
+    def _state_of(self, position: _Position) -> dict[str, Any]:
+        return {
+            "format": STATE_FORMAT,
+            "kind": "make_loader",
+            "epoch": position.epoch,
+            "batches": position.batches,
+            "passes": position.passes,
+            "next_worker": position.next_worker,
+            "workers": [plain(position.workers[w]) for w in sorted(position.workers)],
+            "config": self.config.fingerprint(position.epoch),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``'s output at the next ``iter()``: the rest of its epoch, exactly.
+
+        Refused (``LoaderStateError``, naming each difference) when this loader was made with other
+        URLs, seed, batch size, workers, shuffle buffer, last_batch, keys, resampling, epoch length, or
+        rank/world size; or when the state is not one this version reads.
+        """
+        config = self.config
+        epoch = check_state(state, "make_loader")
+        check_fingerprint(state, config.fingerprint(epoch))
+        batches, passes, next_worker = (_count(state, name) for name in ("batches", "passes", "next_worker"))
+        if next_worker >= config.streams:
+            raise LoaderStateError(f"loader state: next_worker {next_worker} is not one of {config.streams} workers")
+        workers: dict[int, dict[str, Any]] = {}
+        urls = state["config"]["shards"]
+        for worker_state in _list(state, "workers"):
+            worker = worker_state.get("worker") if isinstance(worker_state, dict) else None
+            if not isinstance(worker, int) or not 0 <= worker < config.streams or worker in workers:
+                raise LoaderStateError(f"loader state: worker entry {str(worker_state)[:80]} names no worker "
+                                       f"of {config.streams}, or one twice")
+            problem = check_snapshot(worker_state, urls, config.shuffle_buffer) or _check_count(worker_state,
+                                                                                               "batches")
+            if problem:
+                raise LoaderStateError(f"loader state: worker {worker}: {problem}")
+            workers[worker] = plain(worker_state)
+        self._pending = _Position(epoch, batches, passes, next_worker, workers)
+        self._progress = None
+        self._next_epoch = epoch
+
+
+def check_state(state: Any, kind: str) -> int:
+    """The epoch of a saved state of this ``kind``; ``LoaderStateError`` unless this version reads it."""
+    if not isinstance(state, dict) or not isinstance(state.get("format"), str):
+        raise LoaderStateError("not a loader state: no 'format' (give what state_dict() returned)")
+    name, _, version = state["format"].rpartition("/")
+    ours, _, current = STATE_FORMAT.rpartition("/")
+    if name != ours or not version.isdigit():
+        raise LoaderStateError(f"not a loader state: format {state['format']!r} (this version reads {STATE_FORMAT!r})")
+    if int(version) != int(current):
+        age = "an older" if int(version) < int(current) else "a newer"
+        raise LoaderStateError(f"a loader state in {age} format ({state['format']!r}); this version reads only "
+                               f"{STATE_FORMAT!r}: start the epoch from its beginning (set_epoch) instead")
+    if state.get("kind") != kind:
+        raise LoaderStateError(f"a state of {state.get('kind')!r}, not of {kind!r}")
+    return _count(state, "epoch")
+
+
+def check_fingerprint(state: dict[str, Any], mine: dict[str, Any]) -> None:
+    saved = state.get("config")
+    if not isinstance(saved, dict):
+        raise LoaderStateError("loader state: no 'config'")
+    differences = []
+    for name, value in mine.items():
+        if name == "shards":
+            continue
+        if name == "urls":
+            if saved.get("urls") != value:
+                differences.append(f"urls (the epoch's {saved.get('shards')} shard URLs were saved, this loader "
+                                   f"reads {mine['shards']} others: digest {saved.get('urls')} vs {value}; an "
+                                   "EpochUrls made without seed= draws a new seed in every run)")
+        elif saved.get(name, "missing") != value:
+            differences.append(f"{name} (saved {saved.get(name, 'missing')!r}, this loader {value!r})")
+    unknown = sorted(set(saved) - set(mine))
+    if unknown:
+        differences.append(f"unknown fields {', '.join(unknown)}")
+    if differences:
+        raise LoaderStateError(f"refusing a loader state made with another configuration: {'; '.join(differences)}")
+
+
+def _count(state: dict[str, Any], name: str) -> int:
+    problem = _check_count(state, name)
+    if problem:
+        raise LoaderStateError(f"loader state: {problem}")
+    return state[name]
+
+
+def _check_count(state: dict[str, Any], name: str) -> str | None:
+    value = state.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        return f"'{name}' is not a non-negative integer"
+    return None
+
+
+def _list(state: dict[str, Any], name: str) -> list[Any]:
+    value = state.get(name)
+    if not isinstance(value, list):
+        raise LoaderStateError(f"loader state: '{name}' is not a list")
+    return value
 
 
 def make_loader(
@@ -235,6 +488,12 @@ def make_loader(
     not written by this ETL, e.g. a source bucket directly). A shard cut short is read again up to
     ``retries`` times and continued after the samples already delivered; one still cut is an error
     (``errors`` counts it, naming the URL and how many of its samples arrived), never a shorter epoch.
+
+    The loader resumes mid-epoch: save ``loader.state_dict()`` with the model, and after a restart
+    ``loader.load_state_dict(state)`` makes the next ``iter()`` yield exactly the batches that would
+    have followed (bit for bit with ``seed`` in the ETL's ``etl_args``, e.g. ``EpochUrls``). Restoring
+    reads again only the shards that were open or had samples in a shuffle buffer, from the first
+    sample needed (the ETL skips the ones before it).
     """
     if batch_size < 1:
         raise ValueError("make_loader: batch_size must be at least 1")
@@ -247,40 +506,28 @@ def make_loader(
     if retries < 0:
         raise ValueError("make_loader: retries must be non-negative")
     errors = errors or ErrorCounter()
-    shards = ShardList(urls, shuffle=shuffle_shards, seed=seed, split_nodes=split_by_node, resampled=resampled)
-    shards.epoch = epoch
+    rank, world, _, _ = pytorch_worker_info()
     if not resampled:
-        rank, world, _, _ = pytorch_worker_info()
-        count = len(shards.epoch_urls())
-        mine = len(range(rank, count, world)) if split_by_node and world > 1 else count
+        count = len(epoch_urls(urls, epoch))
+        mine = len(range(rank, count, world)) if split_by_node else count
         if mine == 0:
             raise ClientError(f"rank {rank} of {world} gets no shard out of {count}; use fewer ranks or more shards")
         if num_workers > mine:
             log.info("using %d loader workers, not %d: this rank reads %d shards", mine, num_workers, mine)
             num_workers = mine
-
-    stages: list[Any] = [
-        shards,
-        pipelinefilter(_samples)(errors, timeout, retries, require_marker),
-    ]
-    if shuffle_buffer > 1:
-        stages.append(pipelinefilter(_seeded_shuffle)(shuffle_buffer, seed, shards))
-    stages += [
-        wds.decode(handler=errors),
-        wds.to_tuple(*keys, handler=errors),
-        pipelinefilter(_batches)(batch_size, last_batch),
-    ]
-    dataset = wds.DataPipeline(*stages)
+    config = _Config(urls=urls, keys=tuple(keys), batch_size=batch_size, last_batch=last_batch, seed=seed,
+                     shuffle_shards=shuffle_shards, shuffle_buffer=shuffle_buffer if shuffle_buffer > 1 else 0,
+                     resampled=resampled, epoch_batches=epoch_batches, split_by_node=split_by_node, rank=rank,
+                     world_size=world, streams=max(1, num_workers))
+    streams = _Streams(config, errors, ShardReader(timeout=timeout, retries=retries, require_marker=require_marker))
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
-    loader = wds.WebLoader(
-        dataset,
+    dataloader = torch.utils.data.DataLoader(
+        streams,
         batch_size=None,  # batches are built in the workers (fewer, larger IPC messages)
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=False,  # restarted per epoch, so they see the new epoch (see EtlLoader)
         prefetch_factor=prefetch_factor if num_workers > 0 else None,
     )
-    if epoch_batches is not None:
-        loader = loader.with_epoch(epoch_batches)
-    return EtlLoader(loader, shards, errors, epoch_batches, num_workers)
+    return EtlLoader(dataloader, streams, errors, epoch_batches, num_workers, epoch)

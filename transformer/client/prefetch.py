@@ -11,6 +11,10 @@ event on the pinned block and does not reuse it before the copy completes.
 
 On a machine without CUDA the same class runs the same conversions on the CPU, with no pinning and no
 streams, so training scripts do not branch.
+
+Over a resumable loader (``make_loader``), ``state_dict()`` is the loader's state as of the last batch
+handed to the training step, not of the ``depth`` batches read ahead; ``load_state_dict`` passes a
+state on to the loader.
 """
 
 from __future__ import annotations
@@ -95,6 +99,7 @@ class CudaPrefetcher:
         self.layout = layout
         self.channels_last = channels_last
         self.stats = PrefetchStats()
+        self._handed: Any = None  # the loader's position after the last batch handed out (None: its own)
         # On the 0-255 scale, as uint8 input arrives (apex/timm idiom): one sub and one div per pixel.
         shape = (1, len(mean), 1, 1)
         self._mean = torch.tensor([m * 255 for m in mean], dtype=dtype, device=self.device).view(shape)
@@ -107,8 +112,29 @@ class CudaPrefetcher:
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
 
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's ``state_dict()`` as of the last batch this prefetcher handed out."""
+        if not hasattr(self.loader, "state_dict"):
+            raise TypeError(f"{type(self.loader).__name__} has no state_dict(); make_loader's loader has")
+        if self._handed is None:
+            return self.loader.state_dict()
+        return self.loader._state_of(self._handed)  # type: ignore[attr-defined]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Pass ``state`` on to the loader: the next ``iter()`` resumes there."""
+        self._handed = None
+        self.loader.load_state_dict(state)  # type: ignore[attr-defined]
+
     def __iter__(self) -> Iterator[Any]:
-        return self._iter_cuda() if self.uses_cuda else self._iter_cpu()
+        self._handed = None
+        return self._tracked(self._iter_cuda() if self.uses_cuda else self._iter_cpu())
+
+    def _tracked(self, batches: Iterator[tuple[Any, Any]]) -> Iterator[Any]:
+        """The batches, noting the loader's position after each (taken when it was read from the loader)."""
+        for batch, after in batches:
+            self._handed = after
+            yield batch
+        self._handed = None  # all handed out: the loader's own state is the one to save
 
     def _next(self, source: Iterator[Any]) -> Any:
         started = time.perf_counter()
@@ -116,6 +142,10 @@ class CudaPrefetcher:
             return next(source)
         finally:
             self.stats.wait_seconds += time.perf_counter() - started
+
+    def _position(self) -> Any:
+        position = getattr(self.loader, "_position", None)
+        return position() if position is not None else None
 
     def _iter_cpu(self) -> Iterator[Any]:
         source = iter(self.loader)
@@ -125,38 +155,39 @@ class CudaPrefetcher:
             except StopIteration:
                 return
             self.stats.batches += 1
-            yield self._convert_batch(batch)
+            yield self._convert_batch(batch), self._position()
 
     def _iter_cuda(self) -> Iterator[Any]:
         source = iter(self.loader)
         side = torch.cuda.Stream(self.device)
         consumer = torch.cuda.current_stream(self.device)
         side.wait_stream(consumer)  # mean/std were made on the consumer stream
-        in_flight: deque[tuple[Any, torch.cuda.Event]] = deque()
+        in_flight: deque[tuple[Any, torch.cuda.Event, Any]] = deque()
 
         def issue() -> bool:
             try:
                 batch = self._next(source)
             except StopIteration:
                 return False
+            position = self._position()  # the loader's, right after this batch
             with torch.cuda.stream(side):
                 moved = self._convert_batch(batch)
                 ready = torch.cuda.Event()
                 ready.record(side)
-            in_flight.append((moved, ready))
+            in_flight.append((moved, ready, position))
             return True
 
         for _ in range(self.depth):
             if not issue():
                 break
         while in_flight:
-            batch, ready = in_flight.popleft()
+            batch, ready, position = in_flight.popleft()
             consumer.wait_event(ready)
             for tensor in _tensors(batch):
                 tensor.record_stream(consumer)  # memory made on `side`, used on `consumer`
             issue()  # queue the next copy before handing this batch out, so they overlap
             self.stats.batches += 1
-            yield batch
+            yield batch, position
 
     def _convert_batch(self, batch: Any) -> Any:
         if isinstance(batch, dict):

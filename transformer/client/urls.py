@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from aistore.sdk import Client
 
 # The etl_args fields the service accepts (transformer.options.FIELDS; a test keeps them equal).
-ETL_ARG_FIELDS = ("preset", "transforms", "dtype", "layout", "seed", "epoch", "on_error")
+ETL_ARG_FIELDS = ("preset", "transforms", "dtype", "layout", "seed", "epoch", "on_error", "skip")
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 GLOBAL_NAMESPACE = "@#"  # AIS uname of a bucket in the global namespace: <provider>/@#/<bucket>/<object>
 
@@ -35,8 +35,12 @@ def etl_args(
     seed: int | None = None,
     epoch: int | None = None,
     on_error: str | None = None,
+    skip: int | None = None,
 ) -> dict[str, Any]:
-    """The ``etl_args`` object for the service, checked here so a typo fails before any request."""
+    """The ``etl_args`` object for the service, checked here so a typo fails before any request.
+
+    ``skip`` passes over each shard's first samples (the loader sets it when it resumes mid-shard).
+    """
     if preset is not None and transforms is not None:
         raise ValueError("etl_args: give either preset or transforms, not both")
     for name, value, allowed in (("dtype", dtype, DTYPES), ("layout", layout, LAYOUTS),
@@ -47,8 +51,10 @@ def etl_args(
         raise ValueError("etl_args: seed must be an integer")
     if epoch is not None and (not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0):
         raise ValueError("etl_args: epoch must be a non-negative integer")
+    if skip is not None and (not isinstance(skip, int) or isinstance(skip, bool) or skip < 0):
+        raise ValueError("etl_args: skip must be a non-negative integer")
     values = {"preset": preset, "transforms": transforms, "dtype": dtype, "layout": layout, "seed": seed,
-              "epoch": epoch, "on_error": on_error}
+              "epoch": epoch, "on_error": on_error, "skip": skip}
     return {name: value for name, value in values.items() if value is not None}
 
 
@@ -131,6 +137,20 @@ def get_etl_args(url: str) -> dict[str, Any]:
         if key == "etl_args" and value:
             return json.loads(value)
     return {}
+
+
+def is_etl_url(url: str) -> bool:
+    """Whether ``url`` reads through an ETL: AIS's ``etl_name``, or a pod's ``etl_fqn``/``etl_args``."""
+    if not url.startswith(("http://", "https://")):
+        return False
+    return any(key in ("etl_name", "etl_fqn", "etl_args") for key, _ in parse_qsl(urlsplit(url).query))
+
+
+def with_skip(url: str, samples: int) -> str:
+    """``url`` asking the ETL to pass over the shard's first ``samples`` samples (added to any ``skip``
+    the URL already carries)."""
+    args = get_etl_args(url)
+    return set_etl_args(url, {**args, "skip": args.get("skip", 0) + samples})
 
 
 @dataclass(frozen=True)

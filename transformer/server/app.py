@@ -26,7 +26,7 @@ from uvicorn.protocols.utils import ClientDisconnected
 from ..config import Settings
 from ..engine import TransformPool
 from ..errors import Cancelled, OptionsError, RequestError, TransformerError, UpstreamError
-from ..options import parse_etl_args
+from ..options import forwarded_etl_args, parse_etl_args
 from . import direct
 from .hops import HEADER_NODE_URL, parse_node_url
 from .jobs import (
@@ -146,7 +146,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         etl_args = request.query_params.get("etl_args", "")
         try:
             options = parse_etl_args(etl_args, rt.settings)
-            hop = parse_node_url(request.headers.get(HEADER_NODE_URL), object_path, etl_args,
+            hop = parse_node_url(request.headers.get(HEADER_NODE_URL), object_path, forwarded_etl_args(etl_args),
                                  rt.settings.ais_target_url)
             deadline = time.monotonic() + rt.settings.obj_timeout
             source = make_source(rt, deadline) if make_source is not None else None
@@ -362,7 +362,7 @@ async def _ws_request(ws: WebSocket, rt: Runtime, control: dict[str, Any], pipel
         options = parse_etl_args(etl_args, rt.settings)
     except OptionsError:
         raise
-    hop = parse_node_url(pipeline or None, path, etl_args, rt.settings.ais_target_url)
+    hop = parse_node_url(pipeline or None, path, forwarded_etl_args(etl_args), rt.settings.ais_target_url)
     job = ShardJob(rt, source, options, shard=path, object_name=path, hop=hop, comm="ws")
     if fragmenter is not None and rt.settings.direct_send:
         job.handoff = threading.Event()  # the reply's threads may write its frames (_WsReply.send)
