@@ -75,6 +75,23 @@ def test_random_resized_crop_from_the_window_is_the_full_decodes_output_bit_for_
         np.testing.assert_array_equal(on["k.npy"], off["k.npy"])
 
 
+def test_center_crop_alone_is_the_window_itself_and_outputs_do_not_share_the_decoders_buffer(
+    make_sample: MakeSample, make_options: MakeOptions
+) -> None:
+    crop = {"transforms": [{"CenterCrop": {"size": [200, 300]}}], "dtype": "uint8"}
+    first, second = jpeg_bytes(0, (500, 375)), jpeg_bytes(1, (500, 375))
+    kept = {}
+
+    def both() -> None:
+        kept["first"] = run(make_sample([("k.jpg", first)]), make_options(**crop))["k.npy"]
+        kept["second"] = run(make_sample([("k.jpg", second)]), make_options(**crop))["k.npy"]
+
+    assert paths_during(both) == {("window", ""): 2}
+    for name, data in (("first", first), ("second", second)):
+        whole = run(make_sample([("k.jpg", data)]), make_options(crop_decode=False, **crop))["k.npy"]
+        np.testing.assert_array_equal(kept[name], whole)
+
+
 def test_imagenet_size_images_take_the_window_for_train_and_decode_whole_for_val(
     make_sample: MakeSample, make_options: MakeOptions
 ) -> None:

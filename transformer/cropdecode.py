@@ -127,6 +127,8 @@ def decode_window(data: bytearray, height: int, width: int, window: Window) -> t
     if crop is None:
         return "decoder"
     size = (window.out_height, window.out_width)
+    if tuple(crop.shape[-2:]) == size:
+        return crop.clone(), WINDOW  # the crop is the output (the decoder's buffer is reused next time)
     if _native_uint8_bilinear():
         return resize_uint8(crop, size, True), WINDOW
     return F.resize_image(crop, list(size), antialias=True), WINDOW
@@ -153,6 +155,7 @@ _local = threading.local()
 
 
 def _decode_region(data: bytearray, window: Window) -> torch.Tensor | None:
+    """The window's pixels (uint8 CHW view), valid until this thread's next call: the buffer is reused."""
     decoder = getattr(_local, "decoder", None)
     if decoder is None:  # one per transform thread: a decoder is not meant to be shared between threads
         decoder = _local.decoder = nvimgcodec.Decoder(
@@ -160,13 +163,17 @@ def _decode_region(data: bytearray, window: Window) -> torch.Tensor | None:
             backends=[nvimgcodec.Backend(nvimgcodec.CPU_ONLY)])
         _local.params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.SRGB,
                                                 sample_format=nvimgcodec.I_RGB)
+        _local.image = None
     top, left, bottom, right = int(window.top), int(window.left), int(window.bottom), int(window.right)
     try:
-        stream = nvimgcodec.CodeStream(bytes(data)).get_sub_code_stream(
+        stream = nvimgcodec.CodeStream(np.frombuffer(data, np.uint8)).get_sub_code_stream(
             region=nvimgcodec.Region(top, left, bottom, right))
-        image = decoder.decode(stream, params=_local.params)
+        # Decoding into the last call's buffer spares an allocation and its page faults (~5% of a decode).
+        image = decoder.decode(stream, params=_local.params, image=_local.image)
     except Exception:
+        _local.image = None
         return None
+    _local.image = image
     if image is None:  # nvImageCodec reports a failed decode as None (and logs it)
         return None
     pixels = np.asarray(image)  # HWC, a view of the decoder's buffer (kept alive by the array)

@@ -147,9 +147,10 @@ def _transform_cropped(sample: Sample, kinds: list[str], positions: list[int], i
         transform = pipeline.transforms[index]
         _check_canvas(transform, decision[1], flat[0], max_pixels)
         decisions.append(decision)
-        canvas = _known_canvas(transform, *flat[0].shape[-2:])
-        flat = [x.as_subclass(torch.Tensor)[..., :1, :1].expand(*x.shape[:-2], *canvas).as_subclass(type(x))
-                for x in flat]
+        if index + 1 < pipeline.geometry:  # the next step's stand-ins: the same types at this step's output size
+            canvas = _known_canvas(transform, *flat[0].shape[-2:])
+            flat = [x.as_subclass(torch.Tensor)[..., :1, :1].expand(*x.shape[:-2], *canvas).as_subclass(type(x))
+                    for x in flat]
     window = window_of(pipeline.transforms[:pipeline.geometry], [d[1] for d in decisions], height, width)
     decoded = decode_window(data, height, width, window) if window is not None else "pads"
     if isinstance(decoded, str):
