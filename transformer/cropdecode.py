@@ -30,6 +30,7 @@ needs a system libturbojpeg (3.x for its region decode; Debian 13 ships 2.1).
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,9 @@ from torchvision.transforms.v2.functional._geometry import _compute_resized_outp
 
 from .spec import _native_uint8_bilinear, resize_uint8
 
+# nvImageCodec logs each file it cannot decode; here that only sends the image to the full decode,
+# which words the error if there is one. Read when the module is imported.
+os.environ.setdefault("PYNVIMGCODEC_VERBOSITY", "0")
 try:  # optional: without it, windows at full scale are decoded whole as before
     from nvidia import nvimgcodec
 except ImportError:  # pragma: no cover - the server extra installs it

@@ -38,6 +38,9 @@ def test_etl_args_refuses_what_the_service_would() -> None:
         etl_args(preset="imagenet-val", transforms=["RandomHorizontalFlip"])
     with pytest.raises(ValueError, match="epoch"):
         etl_args(epoch=-1)
+    assert etl_args(crop_decode=False) == {"crop_decode": False}
+    with pytest.raises(ValueError, match="crop_decode"):
+        etl_args(crop_decode="false")
     with pytest.raises(ValueError, match="unknown field 'size'"):
         encode_etl_args({"size": 224})
 
