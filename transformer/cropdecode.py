@@ -23,9 +23,10 @@ nvImageCodec (``nvidia-nvimgcodec-cu13``; its CPU-only libjpeg-turbo 3.1 backend
 nor CUDA) for the window, the one maintained binding found with a region decode. Measured side by side
 on one core (``python -m bench.decode``): on ImageNet-size JPEGs the window decode of
 ``RandomResizedCrop`` saves about a fifth of decode + resize, where DCT scaling never applies (a crop
-of a 500 x 375 image is under 2 x 224); PIL's ``draft`` scales like simplejpeg but decodes slower,
-pyvips-binary stops after the window's last row but costs about 1 ms more per call, and PyTurboJPEG
-needs a system libturbojpeg (3.x for its region decode; Debian 13 ships 2.1).
+of a 500 x 375 image is under 2 x 224). Left out: PIL's ``draft`` scales like simplejpeg but decodes
+slower; pyvips-binary stops after the window's last row but costs about 1 ms more per call; PyTurboJPEG
+loads a system libturbojpeg (a package the image would need); TorchCodec's decoders take torchvision's
+options, with neither a region nor a DCT scale.
 """
 
 from __future__ import annotations
