@@ -31,7 +31,9 @@ options, with neither a region nor a DCT scale.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -46,13 +48,38 @@ from torchvision.transforms.v2.functional._geometry import _compute_resized_outp
 
 from .spec import _native_uint8_bilinear, resize_uint8
 
-# nvImageCodec logs each file it cannot decode; here that only sends the image to the full decode,
-# which words the error if there is one. Read when the module is imported.
-os.environ.setdefault("PYNVIMGCODEC_VERBOSITY", "0")
-try:  # optional: without it, windows at full scale are decoded whole as before
-    from nvidia import nvimgcodec
-except ImportError:  # pragma: no cover - the server extra installs it
-    nvimgcodec = None
+
+def _import_quietly():
+    """nvImageCodec, or None; imported with stdout and stderr pointed at /dev/null.
+
+    Without CUDA (the CPU image) its import prints, whatever the verbosity, that the GPU codecs'
+    libraries (nvJPEG, nvJPEG2000, nvTIFF) are missing and asks for the CUDA toolkit: misleading in a
+    pod's log, since only its CPU decoder is used. It also logs each file it cannot decode; here that only
+    sends the image to the full decode, which words the error if there is one (verbosity 0 unless set).
+    """
+    os.environ.setdefault("PYNVIMGCODEC_VERBOSITY", "0")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved, null = [os.dup(1), os.dup(2)], os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        from nvidia import nvimgcodec
+
+        ctypes.CDLL(None).fflush(None)  # what the C library still buffers goes to /dev/null too
+        return nvimgcodec
+    except ImportError:  # pragma: no cover - the server extra installs it
+        return None
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, null):
+            os.close(fd)
+
+
+# Optional: without it, windows at full scale are decoded whole as before. Imported once, with the
+# module, before the service starts its threads (nothing else writes to stdout or stderr meanwhile).
+nvimgcodec = _import_quietly()
 
 # Which way each image was decoded (the ``path`` label of /metrics); "full" gives a reason.
 WINDOW, SCALED, FULL = "window", "scaled", "full"
@@ -159,13 +186,16 @@ def _decode_scaled(data: bytearray, height: int, width: int, scale: int, window:
 _local = threading.local()
 
 
+def _new_decoder():
+    return nvimgcodec.Decoder(device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY, max_num_cpu_threads=1,
+                              backends=[nvimgcodec.Backend(nvimgcodec.CPU_ONLY)])
+
+
 def _decode_region(data: bytearray, window: Window) -> torch.Tensor | None:
     """The window's pixels (uint8 CHW view), valid until this thread's next call: the buffer is reused."""
     decoder = getattr(_local, "decoder", None)
     if decoder is None:  # one per transform thread: a decoder is not meant to be shared between threads
-        decoder = _local.decoder = nvimgcodec.Decoder(
-            device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY, max_num_cpu_threads=1,
-            backends=[nvimgcodec.Backend(nvimgcodec.CPU_ONLY)])
+        decoder = _local.decoder = _new_decoder()
         _local.params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.SRGB,
                                                 sample_format=nvimgcodec.I_RGB)
         _local.image = None
