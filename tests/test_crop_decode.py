@@ -171,8 +171,12 @@ def test_masks_get_the_same_crop_as_the_window(make_sample: MakeSample, make_opt
 def test_every_fallback_decodes_whole_and_says_why(make_sample: MakeSample, make_options: MakeOptions) -> None:
     jpeg = jpeg_bytes(0, (500, 375))
     cmyk = jpeg_bytes(0, (500, 375), mode="CMYK")
+    progressive = io.BytesIO()
+    Image.open(io.BytesIO(jpeg_bytes(0, (2000, 1500)))).save(progressive, "JPEG", quality=90, progressive=True)
     cases = [
         ([("k.png", png_bytes(photo(0)))], {}, "not_jpeg"),
+        ([("k.jpg", progressive.getvalue())], {}, "progressive"),
+        ([("k.jpg", progressive.getvalue())], {"preset": "imagenet-val"}, "progressive"),
         ([("k.jpg", cmyk)], {}, "colorspace"),
         ([("k.jpg", jpeg)], {"crop_decode": False}, "disabled"),
         ([("k.jpg", jpeg)], {"transforms": [{"ColorJitter": {"brightness": 0.2}}, {"RandomResizedCrop": {"size": 64}}]},
@@ -216,6 +220,18 @@ def test_a_corrupt_jpeg_fails_as_it_did(make_sample: MakeSample, make_options: M
             assert exc.member == "k.jpg"
         else:
             assert out["k.npy"].shape == (3, 224, 224)  # libjpeg's warning, not an error: as before
+
+
+def test_progressive_is_told_from_the_frame_header() -> None:
+    from transformer.cropdecode import _progressive
+
+    image = Image.fromarray(photo(0)).resize((64, 48))
+    for progressive in (False, True):
+        for extra in ({}, {"exif": Image.Exif().tobytes()}, {"icc_profile": b"\0" * 3000}):
+            buffer = io.BytesIO()
+            image.save(buffer, "JPEG", progressive=progressive, **extra)
+            assert _progressive(bytearray(buffer.getvalue())) is progressive, (progressive, list(extra))
+    assert _progressive(bytearray(b"\xff\xd8\xff")) is False
 
 
 def test_metrics_count_the_paths() -> None:

@@ -55,7 +55,8 @@ class _DecodePaths:
     ``window`` (only the crop's region, full scale), ``scaled`` (DCT-scaled whole image), ``full`` (the
     whole image, as without ETL_CROP_DECODE) with why: ``disabled``, ``transforms`` (no leading crop or
     resize), ``several_images``, ``not_jpeg``, ``colorspace``, ``mask_size``, ``pads``, ``no_gain``,
-    ``no_region_decoder``, ``decoder`` (the partial decoder refused the file). Counted per process.
+    ``progressive``, ``no_region_decoder``, ``decoder`` (the partial decoder refused the file). Counted per
+    process.
     """
 
     def collect(self):
