@@ -24,7 +24,10 @@ import contextlib
 import io
 import json
 import logging
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -227,7 +230,10 @@ def run(args: argparse.Namespace, work: Path) -> dict:
 
 
 def report(results: dict) -> str:
-    lines = [f"{len(results['rounds'])} rounds, {results['workers']} workers, imagenet-train, float32"]
+    meta = results.get("meta", {})
+    lines = [f"`{meta.get('command', 'python -m bench.decode')}` at {meta.get('commit', '?')}: "
+             f"{len(results['rounds'])} rounds, {results['workers']} workers, imagenet-train, float32; "
+             f"load average {meta.get('load_average_start_end')} (start, end) on {meta.get('cpus')} CPUs"]
     for name, costs in results["decode"].items():
         lines += ["", f"Decode, {name}, 1 thread, thread CPU ms per image (median of 3 passes over <= 100 images):", "",
                   "| option | ms |", "|---|---|"]
@@ -256,9 +262,15 @@ def _spread(values: list[float], fmt: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s bench: %(message)s", datefmt="%H:%M:%S")
+    load = os.getloadavg()
     with contextlib.ExitStack() as stack:
         work = args.work or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-decode-")))
         results = run(args, work)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=services.REPO_ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    results["meta"] = {"commit": commit, "command": "python -m bench.decode " + " ".join(argv or sys.argv[1:]),
+                       "load_average_start_end": [round(load[0], 2), round(os.getloadavg()[0], 2)],
+                       "cpus": os.cpu_count(), "torch": torch.__version__}
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     print(report(results))
