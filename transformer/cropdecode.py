@@ -86,6 +86,7 @@ WINDOW, SCALED, FULL = "window", "scaled", "full"
 # A window covering at least this share of the image is decoded whole: nvImageCodec's full-image
 # decode costs more than torchvision's (same libjpeg-turbo, more per-call overhead).
 _MOST_OF_IMAGE = 0.9
+_REUSED_BYTES = 16 * 2**20  # the largest window buffer a transform thread keeps between decodes
 _SCALES = (8, 4, 2)  # libjpeg-turbo's DCT scalings with SIMD (1/2, 1/4) or trivial (1/8, DC only) IDCTs
 
 
@@ -230,7 +231,8 @@ def _decode_region(data: bytearray, window: Window) -> torch.Tensor | None:
     except Exception:
         _local.image = None
         return None
-    _local.image = image
+    # Kept for the next call only while small: a thread must not hold a huge window's buffer for good.
+    _local.image = image if (bottom - top) * (right - left) * 3 <= _REUSED_BYTES else None
     if image is None:  # nvImageCodec reports a failed decode as None (and logs it)
         return None
     pixels = np.asarray(image)  # HWC, a view of the decoder's buffer (kept alive by the array)
