@@ -59,14 +59,24 @@ def count(path: Path) -> Shard:
 
 def demo_shards(root: Path, shards: int, samples: int, seed: int = 0) -> list[Shard]:
     """The demo generator's shards (ImageNet-like JPEGs), written once per (shards, samples, seed)."""
+    return _generated(root, shards, samples, seed, "demo", {})
+
+
+def photo_shards(root: Path, shards: int, samples: int, seed: int = 0) -> list[Shard]:
+    """Multi-megapixel photographs: the demo's views at 3000 on the long side (about 6 MP), grain, quality 90."""
+    return _generated(root, shards, samples, seed, "photo6mp", {"long_side": 3000, "quality": 90})
+
+
+def _generated(root: Path, shards: int, samples: int, seed: int, name: str, kwargs: dict) -> list[Shard]:
     from transformer.demo import make_shards
 
     folder = object_dir(root)
-    tag = f"demo-{shards}x{samples}-s{seed}"
+    tag = f"{name}-{shards}x{samples}-s{seed}"
     staging = root / tag
     if not (staging / "done").exists():
         staging.mkdir(parents=True, exist_ok=True)
-        paths = [Path(p) for p in make_shards(staging, shards=shards, samples=samples, seed=seed)]
+        paths = [Path(p) for p in make_shards(staging, shards=shards, samples=samples, seed=seed, progress=False,
+                                              **kwargs)]
         for index, path in enumerate(sorted(paths)):
             path.replace(folder / f"{tag}-{index:03d}.tar")
         (staging / "done").write_text("ok")

@@ -70,7 +70,8 @@ GO_DURATION = re.compile(r"^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$")
 # 250-550 images/s per core, with many shard requests sharing the pod; memory measured (README, Deploy).
 SHARD_IMAGES, SLOW_IMAGES_PER_CORE_S, CONCURRENT_SHARDS = 1000, 250, 64
 IDLE_MEMORY, WORST_MEMORY_PER_WORKER = int(0.4 * 2**30), int(0.7 * 2**30)
-CUDA_RUNTIME = re.compile(r"^(nvidia-.*|cuda-.*|triton)$")  # PyPI torch's CUDA build only
+# PyPI torch's CUDA build only; nvImageCodec is the image's own (its CPU-only JPEG decoder runs without CUDA).
+CUDA_RUNTIME = re.compile(r"^(nvidia-(?!nvimgcodec-).*|cuda-.*|triton)$")
 START_TIMEOUT = 90.0
 
 

@@ -31,14 +31,26 @@ def test_empty_etl_args_give_the_service_defaults(settings: Settings) -> None:
 def test_every_field(settings: Settings) -> None:
     options = parse(
         {"preset": "imagenet-val", "dtype": "float16", "layout": "HWC", "seed": 42, "epoch": 3, "on_error": "fail",
-         "skip": 5},
+         "skip": 5, "crop_decode": False},
         settings,
     )
     assert options.pipeline is build_pipeline("imagenet-val")
     assert (options.dtype, options.layout, options.on_error) == ("float16", "HWC", "fail")
     assert (options.seed, options.seeded, options.epoch, options.skip) == (42, True, 3, 5)
-    assert set(FIELDS) == {"preset", "transforms", "dtype", "layout", "seed", "epoch", "on_error", "skip"}
+    assert options.crop_decode is False
+    assert set(FIELDS) == {"preset", "transforms", "dtype", "layout", "seed", "epoch", "on_error", "skip",
+                           "crop_decode"}
     assert parse({}, settings).skip == 0
+
+
+def test_crop_decode_defaults_to_the_setting_and_must_be_a_boolean(settings: Settings) -> None:
+    assert parse({}, settings).crop_decode is settings.crop_decode is True
+    assert parse({}, Settings.from_env({"ETL_CROP_DECODE": "false"})).crop_decode is False
+    assert parse({"crop_decode": True}, Settings.from_env({"ETL_CROP_DECODE": "false"})).crop_decode is True
+    for bad in ("false", 0, None):
+        with pytest.raises(OptionsError) as info:
+            parse({"crop_decode": bad}, settings)
+        assert info.value.field == "crop_decode"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "uint8"])

@@ -180,6 +180,9 @@ def test_channel_count_mismatch_with_normalize_is_a_sample_error(
 
 REFERENCE_CASES = [(0, (500, 375)), (1, (375, 500)), (2, (1024, 683)), (3, (256, 256)), (0, (300, 900)),
                    (1, (640, 480)), (2, (1000, 257))]
+# The whole-image decode, as torchvision's own pipeline does it; tests/test_crop_decode.py holds the
+# bounds of decoding only the crop window at a reduced scale (on by default).
+WHOLE = {"crop_decode": False}
 
 
 @pytest.mark.parametrize("index, size", REFERENCE_CASES)
@@ -197,7 +200,7 @@ def test_imagenet_val_matches_torchvision_reference(
     )
     expected = reference(decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8))).numpy()
 
-    out = run(make_sample([("k.jpg", data)]), make_options(preset="imagenet-val"))
+    out = run(make_sample([("k.jpg", data)]), make_options(preset="imagenet-val", **WHOLE))
     ours = load(out["k.npy"])
     assert ours.shape == expected.shape == (3, 224, 224) and ours.dtype == np.float32
     mae = float(np.abs(ours - expected).mean())
@@ -211,7 +214,7 @@ def test_imagenet_val_uint8_is_torchvisions_uint8_exactly(
     data = jpeg_bytes(index, size)
     reference = v2.Compose([v2.Resize(256, antialias=True), v2.CenterCrop(224)])
     expected = reference(decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8))).numpy()
-    out = run(make_sample([("k.jpg", data)]), make_options(preset="imagenet-val", dtype="uint8"))
+    out = run(make_sample([("k.jpg", data)]), make_options(preset="imagenet-val", dtype="uint8", **WHOLE))
     np.testing.assert_array_equal(load(out["k.npy"]), expected)
 
 
@@ -407,7 +410,7 @@ def test_jpeg_bomb_is_refused_from_the_frame_header(
     assert "30000x30000" in info.value.reason and "ETL_MAX_IMAGE_PIXELS" in info.value.reason
 
 
-def test_jpeg_size_from_libjpeg_agrees_with_pil() -> None:
+def test_jpeg_header_from_libjpeg_agrees_with_pil() -> None:
     image = Image.fromarray(exact_image(97, seed=3)).resize((131, 97))
     forms = {}
     for mode in ("RGB", "L", "CMYK"):
@@ -419,9 +422,11 @@ def test_jpeg_size_from_libjpeg_agrees_with_pil() -> None:
     image.save(exif, "JPEG", exif=Image.Exif().tobytes())
     forms["exif"] = exif.getvalue()
     for form, data in forms.items():
-        assert samples_module._jpeg_size(data) == Image.open(io.BytesIO(data)).size == (131, 97), form
+        width, height, colorspace = samples_module._jpeg_header(data)
+        assert (width, height) == Image.open(io.BytesIO(data)).size == (131, 97), form
+        assert colorspace == {"L": "Gray", "CMYK": "CMYK"}.get(form[0], "YCbCr"), form
     for not_jpeg in (png_bytes(exact_image(8)), b"", b"\xff\xd8", b"\xff\xd8\xff\xe0garbage"):
-        assert samples_module._jpeg_size(not_jpeg) is None
+        assert samples_module._jpeg_header(not_jpeg) is None
 
 
 def test_pixel_limit_is_the_setting(make_sample: MakeSample) -> None:

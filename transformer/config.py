@@ -42,6 +42,9 @@ VARIABLES: dict[str, tuple[str, str]] = {
                             "Also caps ws content messages, which are held in memory whole."),
     "ETL_MAX_IMAGE_PIXELS": ("100000000", "Largest decoded image (width x height); larger is a sample error."),
     "ETL_FQN_ROOTS": ("", "Comma-separated roots etl_fqn must lie under; empty = any AIS mountpath."),
+    "ETL_CROP_DECODE": ("true", "Decode only the JPEG region the leading crop/resize steps read, at the smallest DCT "
+                        "scale that keeps the output's resolution (false: decode every image whole; etl_args "
+                        "crop_decode overrides it per request)."),
     "ETL_ERROR_MANIFEST": ("true", "Append __etl__/errors.json to shards that lost or kept-as-is samples."),
     "ETL_DIRECT_SEND": ("true", "Shard output is written to the socket by the shard's own thread, not the event loop "
                         "(faster; false sends every chunk through uvicorn)."),
@@ -112,6 +115,7 @@ class Settings:
     max_image_pixels: int = 100_000_000
     fqn_roots: tuple[str, ...] = ()
     error_manifest: bool = True
+    crop_decode: bool = True
     direct_send: bool = True
     keepalive: int = 75
     host: str = "0.0.0.0"
@@ -175,6 +179,9 @@ class Settings:
         manifest = get("ETL_ERROR_MANIFEST").lower()
         if manifest not in ("true", "false", "1", "0", "yes", "no"):
             raise ConfigError("ETL_ERROR_MANIFEST", "must be true or false")
+        crop_decode = get("ETL_CROP_DECODE").lower()
+        if crop_decode not in ("true", "false", "1", "0", "yes", "no"):
+            raise ConfigError("ETL_CROP_DECODE", "must be true or false")
         direct_send = get("ETL_DIRECT_SEND").lower()
         if direct_send not in ("true", "false", "1", "0", "yes", "no"):
             raise ConfigError("ETL_DIRECT_SEND", "must be true or false")
@@ -214,6 +221,7 @@ class Settings:
             max_image_pixels=integer("ETL_MAX_IMAGE_PIXELS", 1),
             fqn_roots=roots,
             error_manifest=manifest in ("true", "1", "yes"),
+            crop_decode=crop_decode in ("true", "1", "yes"),
             direct_send=direct_send in ("true", "1", "yes"),
             keepalive=keepalive,
             host=get("ETL_HOST"),

@@ -115,13 +115,15 @@ MTIME = 1_700_000_000  # fixed member mtime: the same seed gives byte-identical 
 
 
 def make_shards(
-    output: Path, shards: int, samples: int, seed: int, *, masks: bool = False, progress: bool = True
+    output: Path, shards: int, samples: int, seed: int, *, masks: bool = False, progress: bool = True,
+    long_side: int = LONG_SIDE, quality: int = JPEG_QUALITY,
 ) -> list[Path]:
     """Write ``demo-000000.tar``, ``demo-000001.tar``... into ``output``; return their paths in order.
 
     ``samples`` per shard; keys run on across shards (``sample-000000``...). ``masks`` writes
-    Oxford-Pet-like samples (``image.jpg`` + ``trimap.png``). A shard appears under its final name only
-    once it is complete (written as ``.partial`` first).
+    Oxford-Pet-like samples (``image.jpg`` + ``trimap.png``). ``long_side`` and ``quality`` make other
+    photographs than ImageNet's (``long_side=3000, quality=90``: about 6 MP, as a camera's). A shard
+    appears under its final name only once it is complete (written as ``.partial`` first).
     """
     from tqdm import tqdm
     from webdataset import ShardWriter
@@ -151,7 +153,7 @@ def make_shards(
     try:
         with tqdm(total=shards * samples, unit="img", desc="demo shards", disable=not progress) as bar:
             for index in range(shards * samples):
-                writer.write(make_sample(index, seed, masks=masks))
+                writer.write(make_sample(index, seed, masks=masks, long_side=long_side, quality=quality))
                 bar.update()
         writer.close()
     finally:
@@ -161,13 +163,14 @@ def make_shards(
     return written
 
 
-def make_sample(index: int, seed: int, *, masks: bool = False) -> dict[str, Any]:
+def make_sample(index: int, seed: int, *, masks: bool = False, long_side: int = LONG_SIDE,
+                quality: int = JPEG_QUALITY) -> dict[str, Any]:
     """Sample number ``index`` of the dataset with this seed, as encoded webdataset members."""
     rng = np.random.default_rng([seed % 2**64, index])  # independent of shard size and order
     label = int(rng.integers(len(PHOTOGRAPHS)))
     photo = PHOTOGRAPHS[label]
-    short = int(rng.integers(SHORT_SIDE[0], SHORT_SIDE[1] + 1))
-    width, height = (short, LONG_SIDE) if rng.random() < PORTRAIT else (LONG_SIDE, short)
+    short = int(rng.integers(SHORT_SIDE[0], SHORT_SIDE[1] + 1)) * long_side // LONG_SIDE
+    width, height = (short, long_side) if rng.random() < PORTRAIT else (long_side, short)
     view = _draw_view(photo, width, height, rng)
     image = _develop(_render(photo, view, width, height), rng)
 
@@ -186,7 +189,7 @@ def make_sample(index: int, seed: int, *, masks: bool = False) -> dict[str, Any]
         "cls": str(label).encode(),
         "json": json.dumps(meta, sort_keys=True, separators=(",", ":")).encode(),
     }
-    jpeg = _encode(image, "JPEG", quality=JPEG_QUALITY)
+    jpeg = _encode(image, "JPEG", quality=quality)
     if masks:
         sample["image.jpg"] = jpeg
         sample["trimap.png"] = _encode(_trimap(photo, view, width, height), "PNG")

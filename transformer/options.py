@@ -1,8 +1,8 @@
 """Per-request options: ``etl_args`` (a JSON object) over the service defaults.
 
 Fields: ``preset`` or ``transforms`` (a spec), ``dtype``, ``layout``, ``seed``, ``epoch``,
-``on_error``, ``skip``. Unknown fields are refused rather than ignored, so a typo never silently falls
-back to a default. Every error names the field.
+``on_error``, ``skip``, ``crop_decode``. Unknown fields are refused rather than ignored, so a typo never
+silently falls back to a default. Every error names the field.
 
 ``skip`` passes over the shard's first samples without decoding or writing them: a reader resuming in
 the middle of a shard asks for the rest only. It applies to this pod's input; the ``etl_args``
@@ -20,7 +20,7 @@ from .config import DTYPES, ERROR_POLICIES, LAYOUTS, Settings
 from .errors import OptionsError
 from .spec import Pipeline, build_pipeline, parse_spec_text
 
-FIELDS = ("preset", "transforms", "dtype", "layout", "seed", "epoch", "on_error", "skip")
+FIELDS = ("preset", "transforms", "dtype", "layout", "seed", "epoch", "on_error", "skip", "crop_decode")
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class TransformOptions:
     max_member_bytes: int
     max_image_pixels: int
     error_manifest: bool
+    crop_decode: bool = True  # decode only the JPEG region the leading crop/resize steps read (cropdecode.py)
 
 
 def parse_etl_args(raw: str | None, settings: Settings) -> TransformOptions:
@@ -86,6 +87,10 @@ def options_from_mapping(args: dict[str, Any], settings: Settings) -> TransformO
     if not isinstance(skip, int) or isinstance(skip, bool) or skip < 0:
         raise OptionsError("skip", "must be a non-negative integer (samples to pass over)")
 
+    crop_decode = args.get("crop_decode", settings.crop_decode)
+    if not isinstance(crop_decode, bool):
+        raise OptionsError("crop_decode", "must be true or false")
+
     return TransformOptions(
         pipeline=pipeline,
         dtype=_choice(args, "dtype", DTYPES, settings.dtype),
@@ -100,6 +105,7 @@ def options_from_mapping(args: dict[str, Any], settings: Settings) -> TransformO
         max_member_bytes=settings.max_member_bytes,
         max_image_pixels=settings.max_image_pixels,
         error_manifest=settings.error_manifest,
+        crop_decode=crop_decode,
     )
 
 

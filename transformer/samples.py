@@ -12,6 +12,8 @@ from __future__ import annotations
 import io
 import re
 import tarfile
+import threading
+from collections import Counter
 from functools import lru_cache
 
 import numpy as np
@@ -22,10 +24,11 @@ from torchvision import tv_tensors
 from torchvision.io import ImageReadMode
 from torchvision.transforms.v2.functional import to_dtype
 
+from .cropdecode import FULL, decode_window, window_of
 from .errors import SampleError
 from .options import TransformOptions
 from .shards import Member, Sample
-from .spec import sample_seed
+from .spec import _check_canvas, _known_canvas, sample_seed
 
 # The pixel limit is ours (ETL_MAX_IMAGE_PIXELS, checked from the header before decoding); PIL's
 # own warning/error thresholds would otherwise fire first with a less useful message.
@@ -58,23 +61,27 @@ def transform_sample(sample: Sample, options: TransformOptions, shard: str, obje
     """The sample's output members, in input order; raises ``SampleError`` naming the member."""
     kinds = [member_kind(ext, options) for ext in sample.extensions]
     out_names = set()
-    inputs, positions = [], []
+    positions = []
     for position, (member, kind) in enumerate(zip(sample.members, kinds)):
         if kind == "other":
             out_names.add(member.info.name)
-            continue
-        inputs.append(_decode(member, kind, options, shard, sample.key))
-        positions.append(position)
-    if len(inputs) > 1:
-        # Images decode as plain tensors: alone, v2 transforms a plain tensor as the image and calls its
-        # kernels directly; beside other images or masks each needs its tv_tensor type to be told apart.
-        inputs = [tv_tensors.Image(x) if type(x) is torch.Tensor else x for x in inputs]
-
+        else:
+            positions.append(position)
     seed = sample_seed(options.seed, options.epoch, object_name, sample.key)
+    # Intermediate canvases get the decode limit, but never less than 4096 x 4096: a small
+    # ETL_MAX_IMAGE_PIXELS (meant for inputs) must not refuse ordinary 224 x 224 outputs.
+    max_pixels = max(options.max_image_pixels, 4096 * 4096)
+    images = [p for p in positions if kinds[p] == "image"]
     try:
-        # Intermediate canvases get the decode limit, but never less than 4096 x 4096: a small
-        # ETL_MAX_IMAGE_PIXELS (meant for inputs) must not refuse ordinary 224 x 224 outputs.
-        outputs = options.pipeline.apply(inputs, seed, max(options.max_image_pixels, 4096 * 4096))
+        if len(images) == 1:
+            outputs = _transform_cropped(sample, kinds, positions, images[0], options, shard, seed, max_pixels)
+        else:
+            if images:
+                _count(FULL, "several_images")
+            outputs = None
+        if outputs is None:
+            inputs = [_decode(sample.members[p], kinds[p], options, shard, sample.key) for p in positions]
+            outputs = options.pipeline.apply(_typed(inputs), seed, max_pixels)
     except SampleError:
         raise
     except Exception as exc:  # a transform rejected this input (e.g. crop larger than the image)
@@ -97,16 +104,97 @@ def transform_sample(sample: Sample, options: TransformOptions, shard: str, obje
     return result
 
 
-def _decode(member: Member, kind: str, options: TransformOptions, shard: str, key: str):
-    name = member.info.name
+def _typed(inputs: list) -> list:
+    if len(inputs) > 1:
+        # Images decode as plain tensors: alone, v2 transforms a plain tensor as the image and calls its
+        # kernels directly; beside other images or masks each needs its tv_tensor type to be told apart.
+        return [tv_tensors.Image(x) if type(x) is torch.Tensor else x for x in inputs]
+    return inputs
+
+
+def _transform_cropped(sample: Sample, kinds: list[str], positions: list[int], image: int,
+                       options: TransformOptions, shard: str, seed: int, max_pixels: int) -> list | None:
+    """The sample's outputs with its one image decoded only as far as the output needs, or None.
+
+    The leading geometric steps are drawn first, on a stand-in of the image's size (the same draws as
+    ``Pipeline.apply`` makes on the decoded image: each step's generator is seeded by the sample and the
+    step alone), then the image is decoded through ``cropdecode`` straight to those steps' output; masks
+    take the same steps with the same draws, and the remaining steps run on everything as usual.
+    None (counted with its reason): decode the whole image instead.
+    """
+    pipeline = options.pipeline
+    if not options.crop_decode:
+        return _count(FULL, "disabled")
+    if not pipeline.geometry:
+        return _count(FULL, "transforms")
+    member = sample.members[image]
+    data = _member_bytes(member, shard, sample.key)
+    header = _jpeg_header(data)
+    if header is None:
+        return _count(FULL, "not_jpeg")
+    width, height, colorspace = header
+    _check_pixels(width, height, options, shard, sample.key, member.info.name)
+    if colorspace not in ("YCbCr", "Gray"):
+        return _count(FULL, "colorspace")  # CMYK/YCCK/RGB JPEGs: torchvision's decoder and its conversions
+    masks = [_decode(sample.members[p], kinds[p], options, shard, sample.key) for p in positions if p != image]
+    if any(tuple(mask.shape[-2:]) != (height, width) for mask in masks):
+        return _count(FULL, "mask_size")  # torchvision's own path words the mismatch
+    stand_in = torch.zeros((), dtype=torch.uint8).expand(3, height, width)  # the image's size, no pixels
+    flat = _typed([stand_in, *masks])
+    decisions = []
+    for index in range(pipeline.geometry):
+        decision = pipeline.decide(index, flat, seed)
+        transform = pipeline.transforms[index]
+        _check_canvas(transform, decision[1], flat[0], max_pixels)
+        decisions.append(decision)
+        if index + 1 < pipeline.geometry:  # the next step's stand-ins: the same types at this step's output size
+            canvas = _known_canvas(transform, *flat[0].shape[-2:])
+            flat = [x.as_subclass(torch.Tensor)[..., :1, :1].expand(*x.shape[:-2], *canvas).as_subclass(type(x))
+                    for x in flat]
+    window = window_of(pipeline.transforms[:pipeline.geometry], [d[1] for d in decisions], height, width)
+    decoded = decode_window(data, height, width, window) if window is not None else "pads"
+    if isinstance(decoded, str):
+        return _count(FULL, decoded)
+    tensor, path = decoded
+    _count(path, "")
+    if masks:  # the geometric steps' draws, without the image's place in them
+        masks = pipeline.apply(masks, seed, max_pixels, stop=pipeline.geometry,
+                               decisions=[(needs[1:], params) for needs, params in decisions])
+    inputs = iter(masks)
+    flat = _typed([tensor if p == image else next(inputs) for p in positions])
+    return pipeline.apply(flat, seed, max_pixels, start=pipeline.geometry)
+
+
+_paths: Counter[tuple[str, str]] = Counter()
+_paths_lock = threading.Lock()
+
+
+def _count(path: str, reason: str) -> None:
+    with _paths_lock:
+        _paths[path, reason] += 1
+
+
+def decode_paths() -> dict[tuple[str, str], int]:
+    """Images decoded so far in this process, by (path, reason): what /metrics reports."""
+    with _paths_lock:
+        return dict(_paths)
+
+
+def _member_bytes(member: Member, shard: str, key: str) -> bytearray:
     pieces = member.pieces
     # A large member arrives in its own bytearray (shards._Chunks): the decoder reads it in place.
     data = pieces[0] if len(pieces) == 1 and type(pieces[0]) is bytearray else bytearray(member.data)
     if not data:
-        raise SampleError(shard, key, name, "empty image member (0 bytes)")
-    size = _jpeg_size(data) if kind == "image" else None
-    if size is not None:
-        _check_pixels(*size, options, shard, key, name)
+        raise SampleError(shard, key, member.info.name, "empty image member (0 bytes)")
+    return data
+
+
+def _decode(member: Member, kind: str, options: TransformOptions, shard: str, key: str):
+    name = member.info.name
+    data = _member_bytes(member, shard, key)
+    header = _jpeg_header(data) if kind == "image" else None
+    if header is not None:
+        _check_pixels(header[0], header[1], options, shard, key, name)
     else:
         mask = _probe(data, kind, options, shard, key, name)
         if mask is not None:
@@ -120,8 +208,8 @@ def _decode(member: Member, kind: str, options: TransformOptions, shard: str, ke
     return tensor  # a plain tensor: transform_sample types it when the sample has several inputs
 
 
-def _jpeg_size(data: bytes) -> tuple[int, int] | None:
-    """(width, height) from a JPEG's frame header, or None: not a JPEG, or one libjpeg cannot read.
+def _jpeg_header(data: bytes) -> tuple[int, int, str] | None:
+    """(width, height, colorspace) from a JPEG's frame header, or None: not a JPEG, or one libjpeg cannot read.
 
     libjpeg-turbo through simplejpeg, 1.5 us in C; PIL's probe walks the markers in Python, about
     25 us per image holding the GIL that the other transform threads and the shard driver wait for.
@@ -130,10 +218,10 @@ def _jpeg_size(data: bytes) -> tuple[int, int] | None:
     if not data.startswith(b"\xff\xd8"):
         return None
     try:
-        height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
     except Exception:  # simplejpeg raises ValueError, but any refusal means: let PIL look at it
         return None
-    return width, height
+    return width, height, colorspace
 
 
 def _check_pixels(width: int, height: int, options: TransformOptions, shard: str, key: str, name: str) -> None:

@@ -105,18 +105,34 @@ class Pipeline:
         """The canonical spec, as JSON-able data (used in logs and the error manifest)."""
         return [{name: json.loads(kwargs)} for name, kwargs in self.steps]
 
-    def apply(self, inputs: list[Any], seed: int, max_pixels: int | None = None) -> list[Any]:
-        """Run every step jointly over a sample's tv_tensors (images and masks share each draw).
+    # How many leading steps form a crop/resize geometry that a decoder can serve from part of a JPEG
+    # (``RandomResizedCrop``, ``Resize`` + ``CenterCrop``, ``CenterCrop``, ``Resize``); 0: none.
+    geometry: int = 0
+
+    def decide(self, index: int, flat: list[Any], seed: int) -> tuple[list[bool], dict[str, Any]] | None:
+        """Step ``index``'s random draw for ``flat``, from the generator seeded for this sample and step.
+
+        Each step reseeds, so a step's draw depends only on (seed, index) and its inputs' sizes: drawing
+        a step early (before decoding, for a crop window) gives the draw ``apply`` would make.
+        """
+        with _RNG_LOCK:
+            torch.default_generator.manual_seed((seed + index * _GOLDEN) & (2**63 - 1))
+            return _decide(self.transforms[index], flat)
+
+    def apply(self, inputs: list[Any], seed: int, max_pixels: int | None = None, *, start: int = 0,
+              stop: int | None = None, decisions: list | None = None) -> list[Any]:
+        """Run steps ``start`` to ``stop`` jointly over a sample's tv_tensors (images and masks share each draw).
 
         With ``max_pixels``, a step that would produce a larger canvas is refused before it allocates
         anything (``ValueError``): an ordinary ``Resize(256)`` of a 1 x 100000 image, or a huge ``Pad``
-        or ``CenterCrop``, would otherwise ask for gigabytes and get the pod OOM-killed.
+        or ``CenterCrop``, would otherwise ask for gigabytes and get the pod OOM-killed. ``decisions``
+        (one per step from ``start``, as ``decide`` returns them) replaces the draws.
         """
         flat = list(inputs)
-        for index, transform in enumerate(self.transforms):
-            with _RNG_LOCK:
-                torch.default_generator.manual_seed((seed + index * _GOLDEN) & (2**63 - 1))
-                decision = _decide(transform, flat)
+        stop = len(self.transforms) if stop is None else stop
+        for index in range(start, stop):
+            transform = self.transforms[index]
+            decision = self.decide(index, flat, seed) if decisions is None else decisions[index - start]
             if decision is not None:
                 needs, params = decision
                 if max_pixels is not None and flat:
@@ -175,6 +191,11 @@ def _direct_step(transform: v2.Transform, params: dict[str, Any], image: Any) ->
         return None  # (v2 keeps the mode as given: the enum, its string, or a PIL integer)
     if not _native_uint8_bilinear():
         return None  # without AVX2 (or on ppc64le, s390x), torchvision resizes in float32 and rounds
+    return resize_uint8(image, size, antialias)
+
+
+def resize_uint8(image: torch.Tensor, size: Sequence[int], antialias: bool | None) -> torch.Tensor:
+    """torchvision's bilinear ``resize_image`` of a uint8 CPU image on a CPU with its native uint8 kernel."""
     if tuple(image.shape[-2:]) == tuple(size):
         return image  # resize_image returns an image already at the size unchanged
     return torch.nn.functional.interpolate(image[None], size=list(size), mode="bilinear", align_corners=False,
@@ -314,7 +335,30 @@ def _build(name: str, steps: tuple[tuple[str, str], ...]) -> Pipeline:
             normalize = _normalize_constants(transform, where)
         else:
             transforms.append(transform)
-    return Pipeline(name=name, steps=steps, transforms=tuple(transforms), normalize=normalize)
+    return Pipeline(name=name, steps=steps, transforms=tuple(transforms), normalize=normalize,
+                    geometry=_leading_geometry(transforms))
+
+
+def _bilinear_antialiased(transform: v2.Transform) -> bool:
+    return transform.interpolation in (InterpolationMode.BILINEAR, "bilinear") and bool(transform.antialias)
+
+
+def _leading_geometry(transforms: Sequence[v2.Transform]) -> int:
+    """How many leading steps a partial decode can serve: a crop and/or a bilinear, antialiased resize.
+
+    The resize must be the one a reduced JPEG decode approximates (bilinear with antialiasing, as the
+    presets); ``Resize`` with ``max_size`` is torchvision's own size rule and stays supported.
+    """
+    kinds = [type(t) for t in transforms[:2]]
+    if kinds[:1] == [v2.RandomResizedCrop]:
+        return 1 if _bilinear_antialiased(transforms[0]) else 0
+    if kinds[:1] == [v2.Resize]:
+        if transforms[0].size is None or not _bilinear_antialiased(transforms[0]):
+            return 0
+        return 2 if kinds[1:] == [v2.CenterCrop] else 1
+    if kinds[:1] == [v2.CenterCrop]:
+        return 1
+    return 0
 
 
 def _normalize_constants(transform: v2.Normalize, where: str) -> tuple[tuple[float, ...], tuple[float, ...]]:

@@ -41,6 +41,9 @@ def test_etl_args_refuses_what_the_service_would() -> None:
     assert etl_args(skip=4) == {"skip": 4}
     with pytest.raises(ValueError, match="skip"):
         etl_args(skip=-1)
+    assert etl_args(crop_decode=False) == {"crop_decode": False}
+    with pytest.raises(ValueError, match="crop_decode"):
+        etl_args(crop_decode="false")
     with pytest.raises(ValueError, match="unknown field 'size'"):
         encode_etl_args({"size": 224})
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from aistore.sdk import Client
 
 # The etl_args fields the service accepts (transformer.options.FIELDS; a test keeps them equal).
-ETL_ARG_FIELDS = ("preset", "transforms", "dtype", "layout", "seed", "epoch", "on_error", "skip")
+ETL_ARG_FIELDS = ("preset", "transforms", "dtype", "layout", "seed", "epoch", "on_error", "skip", "crop_decode")
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 GLOBAL_NAMESPACE = "@#"  # AIS uname of a bucket in the global namespace: <provider>/@#/<bucket>/<object>
 
@@ -36,6 +36,7 @@ def etl_args(
     epoch: int | None = None,
     on_error: str | None = None,
     skip: int | None = None,
+    crop_decode: bool | None = None,
 ) -> dict[str, Any]:
     """The ``etl_args`` object for the service, checked here so a typo fails before any request.
 
@@ -53,8 +54,10 @@ def etl_args(
         raise ValueError("etl_args: epoch must be a non-negative integer")
     if skip is not None and (not isinstance(skip, int) or isinstance(skip, bool) or skip < 0):
         raise ValueError("etl_args: skip must be a non-negative integer")
+    if crop_decode is not None and not isinstance(crop_decode, bool):
+        raise ValueError("etl_args: crop_decode must be True or False")
     values = {"preset": preset, "transforms": transforms, "dtype": dtype, "layout": layout, "seed": seed,
-              "epoch": epoch, "on_error": on_error, "skip": skip}
+              "epoch": epoch, "on_error": on_error, "skip": skip, "crop_decode": crop_decode}
     return {name: value for name, value in values.items() if value is not None}
 
 

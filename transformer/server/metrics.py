@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 from ..engine import ShardReport
+from ..samples import decode_paths
 
 _SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -26,6 +28,7 @@ class Metrics:
                                  "shard's thread, ETL_DIRECT_SEND), 'loop' (the event loop), 'direct_then_loop' "
                                  "(a caller that read only after sending)", ["path"], registry=r)
         self.inflight = Gauge("etl_inflight_shards", "Shard requests being transformed", registry=r)
+        r.register(_DecodePaths())
 
     def record(self, report: ShardReport, comm: str, outcome: str, bytes_in: int) -> None:
         self.shards.labels(comm, outcome).inc()
@@ -44,3 +47,21 @@ class Metrics:
         self.shard_seconds.observe(now - report.started)
         if report.first_byte is not None:
             self.first_byte.observe(report.first_byte - report.started)
+
+
+class _DecodePaths:
+    """``etl_decode_path_total{path,reason}``: images by how they were decoded (read from ``samples`` at scrape).
+
+    ``window`` (only the crop's region, full scale), ``scaled`` (DCT-scaled whole image), ``full`` (the
+    whole image, as without ETL_CROP_DECODE) with why: ``disabled``, ``transforms`` (no leading crop or
+    resize), ``several_images``, ``not_jpeg``, ``colorspace``, ``mask_size``, ``pads``, ``no_gain``,
+    ``progressive``, ``no_region_decoder``, ``decoder`` (the partial decoder refused the file). Counted per
+    process.
+    """
+
+    def collect(self):
+        family = CounterMetricFamily("etl_decode_path", "Images decoded, by path (window, scaled, full) and why "
+                                     "full", labels=["path", "reason"])
+        for (path, reason), count in sorted(decode_paths().items()):
+            family.add_metric([path, reason], count)
+        yield family
