@@ -47,7 +47,7 @@ LABEL org.opencontainers.image.title="ais-wds-transformer" \
       org.opencontainers.image.licenses="MIT" \
       org.opencontainers.image.base.name="docker.io/library/python:${PYTHON_VERSION}-slim-${DEBIAN_RELEASE}"
 # Group 0: AIS targets run as root and create objects 0640 root:root, so an FQN is readable through
-# group 0 (contract section 2.1) without running as root. The runtime spec has no securityContext.
+# group 0 (AIS creates objects 0640 root:root) without running as root. The runtime spec has no securityContext.
 RUN useradd --no-log-init --system --uid 10001 --gid 0 --no-create-home --home-dir /nonexistent \
         --shell /usr/sbin/nologin etl
 COPY --from=build /opt/venv /opt/venv

@@ -13,7 +13,7 @@ client (``services.CurlSink``), with no tar and no server, in rounds taking turn
   is written (a window of ``--window``, one reader wake-up per sample);
 * ``worker sends, refill in batches``: the same, the reader woken once ``--batch`` slots are free.
 
-The service's driver did what the second row does until session 5; with direct send it now does what
+The service's driver once did what the second row does; with direct send it now does what
 the last row does (``engine._Relay``, which also hands a full socket back to the driver).
 Prints images/s per round and medians with the fraction of the compute limit.
 """

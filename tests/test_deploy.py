@@ -3,7 +3,7 @@
 This machine has no Docker engine and no cluster, so each piece is checked by what consumes it:
 * hadolint lints the Dockerfile; kubernetes-validate checks every Kubernetes resource under k8s/;
 * the runtime spec goes through the aistore SDK's own init-message types and the contract rules
-  (contract doc sections 3, 5.1 and 8), and so does the pod AIS would build from it;
+  (ext/etl/api.go, ext/etl/boot.go), and so does the pod AIS would build from it;
 * the Dockerfile's pip steps are replayed against PyPI with the same pins and flags (only the torch
   index differs: PyPI here, PyTorch's CPU index in the image);
 * the image's entry command, read from the Dockerfile, is started from the installed package and
@@ -59,7 +59,7 @@ from tests.shardgen import imagenet_like_members, make_tar, read_tar
 from transformer.config import VARIABLES, Settings, parse_duration
 
 KUBERNETES_VERSION = "1.37"  # a current release; kubernetes-validate ships its schemas
-AIS_PORT = 8000  # runtime-spec pods always get containerPort 8000 named "default" (contract section 3)
+AIS_PORT = 8000  # runtime-spec pods always get containerPort 8000 named "default" (ext/etl/api.go)
 AIS_SET_ENV = {"AIS_TARGET_URL", "direct_put"}  # injected by the target; a spec must not set them
 # Fields AIS reads from a runtime spec (ext/etl/api.go ETLSpecMsg + InitMsgBase); anything else is
 # silently ignored by AIS, so a typo like `obj_timout` would deploy with the 10 s server default.
@@ -164,7 +164,7 @@ def test_image_listens_where_ais_connects(dockerfile: Dockerfile) -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching to the image's uid:gid needs root")
 def test_image_user_reads_objects_as_ais_writes_them(dockerfile: Dockerfile, tmp_path: Path) -> None:
-    """AIS targets run as root and write objects 0640 root:root (contract 2.1); the image's USER must
+    """AIS targets run as root and write objects 0640 root:root (cmn/cos/io.go); the image's USER must
     read them through the same mountpath layout (directories 0750)."""
     uid, _, gid = dockerfile.final.last("USER").value.partition(":")
     assert gid, "USER must name the group too (uid:0): a user's own group cannot read AIS objects"
@@ -437,7 +437,7 @@ def test_entry_command_reads_an_fqn_in_ais_layout(image: ImageProcess, tmp_path:
     obj.parent.mkdir(parents=True)
     obj.write_bytes(make_tar(imagenet_like_members(1)))
     obj.chmod(0o640)
-    # Go's url.PathEscape, then the query encoding: AIS double-encodes etl_fqn (contract 2.1).
+    # Go's url.PathEscape, then the query encoding: AIS double-encodes etl_fqn (ext/etl/communicator.go).
     query = urlencode({"etl_fqn": quote(str(obj), safe="$&+:=@")})
     reply = httpx.put(f"{image.url}/bck/dir/shard-000001.tar?{query}", content=b"", timeout=60)
     assert reply.status_code == 200, reply.text
@@ -446,7 +446,8 @@ def test_entry_command_reads_an_fqn_in_ais_layout(image: ImageProcess, tmp_path:
 
 
 def test_entry_command_keeps_idle_connections_beyond_the_targets_6s(image: ImageProcess) -> None:
-    """AIS reuses idle connections for 6 s and does not retry a PUT that hit a closed one (contract 2.1)."""
+    """AIS reuses idle connections for 6 s and does not retry a PUT that hit a closed one (cmn/config.go,
+    ext/etl/communicator.go)."""
     connection = http.client.HTTPConnection("127.0.0.1", image.port, timeout=10)
     try:
         connection.request("GET", "/health")
@@ -465,7 +466,7 @@ def test_entry_command_keeps_idle_connections_beyond_the_targets_6s(image: Image
 
 
 def test_entry_command_accepts_ws_messages_over_16_mib(image: ImageProcess) -> None:
-    """uvicorn's default limit is 16 MiB; AIS sends a whole shard as one message (contract 4.5)."""
+    """uvicorn's default limit is 16 MiB; AIS sends a whole shard as one message (ext/etl/websocket_comm.go)."""
     big = np.random.default_rng(0).bytes(20 * 2**20)
     shard = make_tar([("sample-000000.bin", big)])
     with connect(f"ws://127.0.0.1:{image.port}/ws", max_size=None, compression=None, open_timeout=10,
@@ -555,7 +556,7 @@ def test_runtime_spec_follows_the_contract(spec: dict, dockerfile: Dockerfile) -
 
 
 def _ais_pod(spec: dict) -> dict:
-    """The pod a target creates from the runtime spec (contract section 8, ext/etl/boot.go)."""
+    """The pod a target creates from the runtime spec (ext/etl/boot.go)."""
     runtime = spec["runtime"]
     ais_env = [
         {"name": "AIS_TARGET_URL", "value": f"http://10.0.0.5:51081/v1/etl/_object/{spec['name']}/Ab3dEf9hIj"},

@@ -71,7 +71,7 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host or settings.host,
         port=args.port or settings.port,
         # Above the AIS target's 6 s idle timeout, so the target never reuses a connection we closed
-        # (AIS does not retry a PUT that failed with EOF; contract doc section 2.1).
+        # (AIS does not retry a PUT that failed with EOF; ext/etl/communicator.go).
         timeout_keep_alive=settings.keepalive,
         # uvicorn's httptools protocol, which also hands the connection's transport to shard responses
         # so their threads can write the output themselves (server/direct.py).

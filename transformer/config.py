@@ -2,7 +2,7 @@
 
 Every variable, its default and its meaning is listed in ``VARIABLES`` (the README table is generated
 from it: ``wds-transform settings --markdown``). AIS itself sets ``AIS_TARGET_URL`` and ``direct_put``
-in the pod (contract doc section 3); everything else is ours.
+in the pod (ext/etl/boot.go); everything else is ours.
 """
 
 from __future__ import annotations

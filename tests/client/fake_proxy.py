@@ -1,6 +1,6 @@
 """A fake AIS proxy (and target) over HTTP on 127.0.0.1, checking every request against the contract.
 
-It answers what the client uses, as AIS 5.0 does (contract doc section 5: ETL init/list/view/stop/
+It answers what the client uses, as AIS 5.0 does (ais/prxetl.go: ETL init/list/view/stop/
 start/delete, bucket create/list, object PUT/GET with ``etl_name``), plus dSort (``POST /v1/sort``,
 ``GET /v1/sort?uuid=``, checked against the spec fields of ``ais start dsort`` and the SDK's
 ``DsortFramework``; input names and missing inputs handled as aisnode v1.5.0 does). Every request
@@ -248,7 +248,7 @@ class FakeProxy:
             return self._cluster(h, r)
         raise ContractViolation(f"no such AIS endpoint {r.method} {path}")
 
-    # ---- ETL (contract doc section 5.1) ---------------------------------------------------------
+    # ---- ETL (ais/prxetl.go) --------------------------------------------------------------------
 
     def _etl(self, h: Any, r: Recorded, parts: list[str]) -> None:
         if not parts:

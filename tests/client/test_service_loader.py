@@ -1,7 +1,7 @@
 """End to end: shards in a (fake) AIS bucket -> the real transformer service -> make_loader -> batches.
 
 URLs come from the SDK (``shard_urls``) and hit the fake proxy, which redirects through a "target" to
-the service exactly as AIS does for an ``hpull://`` ETL (contract doc section 2.3); ``pod_urls``
+the service exactly as AIS does for an ``hpull://`` ETL (ext/etl/communicator.go); ``pod_urls``
 builds the same redirect target directly. Every sample must arrive exactly once per epoch, with its
 label and its own photo.
 """

@@ -95,7 +95,7 @@ def test_epoch_urls_carry_epoch_and_one_seed() -> None:
 @pytest.mark.parametrize(
     ("text", "escaped"),
     [
-        ("ais/@#/bck/dir/a.jpg", "ais%2F@%23%2Fbck%2Fdir%2Fa.jpg"),  # contract doc section 2.3
+        ("ais/@#/bck/dir/a.jpg", "ais%2F@%23%2Fbck%2Fdir%2Fa.jpg"),  # Go's url.PathEscape of the uname
         ("ais/@#/src/dir/obj x.txt", "ais%2F@%23%2Fsrc%2Fdir%2Fobj%20x.txt"),
         ("a,b;c?d", "a%2Cb%3Bc%3Fd"),
         ("$&+:=@~._-", "$&+:=@~._-"),
@@ -154,7 +154,7 @@ def test_shard_urls_by_template_and_names_do_not_list(ais, proxy: FakeProxy) -> 
 
 
 def test_sdk_get_url_with_dict_args_is_not_json(ais) -> None:
-    """Why the client always passes etl_args as a JSON string (contract doc section 5.4)."""
+    """Why the client always passes etl_args as a JSON string (the SDK's ETLConfig encodes a dict as JSON)."""
     from aistore.sdk.etl import ETLConfig
 
     raw = ais.bucket("b").object("a.tar").get_url(etl=ETLConfig("wds-etl", args={"seed": 1}))

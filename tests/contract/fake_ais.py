@@ -1,7 +1,7 @@
 """Fakes of what an ETL pod talks to: the AIS target's ETL object endpoint and a next ETL stage.
 
 ``FakeTarget`` behaves like ``/v1/etl/_object/<etl>/<secret>/<PathEscape(uname)>`` on an AIS target
-(contract doc sections 2.3 and 4.2): hpull fetches (GET) and size checks (HEAD) are served from an
+(AIS's ais/tgtetl.go): hpull fetches (GET) and size checks (HEAD) are served from an
 in-memory dict, direct puts (PUT) are recorded in full and answered ``200`` with an empty body. The uname must arrive as
 **one** path segment, so the raw path is read from ``scope["raw_path"]`` (the decoded ``path`` would
 hide a pod that unescaped ``%2F``). ``FakeStage`` is the next ETL of a pipeline: it records the PUT

@@ -3,7 +3,7 @@
 ``Service`` runs a command (our ``python -m transformer serve`` or the SDK reference under uvicorn)
 with a chosen environment, waits for ``GET /health`` = 200 within a bounded time, and keeps its log
 for the failure message. The helpers encode ``etl_fqn`` and unames the way AIS does (Go's
-``url.PathEscape``, then the query encoded again: contract doc section 2.1).
+``url.PathEscape``, then the query encoded again: AIS's ext/etl/communicator.go).
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def test_direct_put_with_fqn_input(client: httpx.Client, disk: AisDisk, dest_tar
 
 def test_hpull_with_a_destination_entry_direct_puts_too(client: httpx.Client, disk: AisDisk,
                                                        dest_target: FakeTarget) -> None:
-    # Offline hpull: GET /<PathEscape(uname)>?etl_fqn=.. with Ais-Node-Url (contract 2.3).
+    # Offline hpull: GET /<PathEscape(uname)>?etl_fqn=.. with Ais-Node-Url (ext/etl/communicator.go).
     inputs = imagenet_like_members(2)
     fqn = disk.put("src", "pulled-dp.tar", make_tar(inputs))
     response = client.get(f"/{escaped_uname('src', 'pulled-dp.tar')}?{fqn_query(fqn, ARGS)}",
@@ -134,7 +134,7 @@ def test_direct_put_reset_is_retried_from_a_replayable_source(client: httpx.Clie
 def test_direct_put_reset_with_a_one_shot_body_asks_ais_to_retry(client: httpx.Client,
                                                                  dest_target: FakeTarget) -> None:
     # The request body is gone once sent: 503 + Ais-Etl-Retry-Reason makes the target re-send the
-    # whole PUT (contract 2.1; AIS 4.6+), instead of failing the object.
+    # whole PUT (ext/etl/communicator.go; AIS 4.6+), instead of failing the object.
     dest_target.set_fault("*", Fault(reset=True))
     response = client.put("/src/one-shot.tar", content=image_shard(1),
                           headers={NODE_URL: destination(dest_target, "one-shot.tar")})
@@ -231,7 +231,7 @@ def test_empty_ais_node_url_means_no_pipeline(client: httpx.Client) -> None:
 
 def test_errors_never_reveal_the_etl_secret(client: httpx.Client, impatient: Service, target: FakeTarget,
                                             dest_target: FakeTarget) -> None:
-    # The secret in AIS_TARGET_URL guards pod->target object I/O (contract 1); error bodies end up in
+    # The secret in AIS_TARGET_URL guards pod->target object I/O (ais/tgtetl.go); error bodies end up in
     # `ais etl show errors` for any user to read, so URLs in them must not carry it.
     unreachable = f"http://127.0.0.1:{unused_port()}/{escaped_uname('dst', 'leak.tar')}?owt=3"
     target.set_fault(uname("src", "leak-503.tar"), Fault(status=503, body=b"busy"))

@@ -1,4 +1,4 @@
-"""hpush: ``PUT /<bucket>/<obj>`` with the shard as body or as ``etl_fqn`` (contract doc sections 2.1, 2.2)."""
+"""hpush: ``PUT /<bucket>/<obj>`` with the shard as body or as ``etl_fqn`` (ext/etl/communicator.go)."""
 
 from __future__ import annotations
 
@@ -238,7 +238,7 @@ def test_hpush_missing_fqn_is_404_naming_it(client: httpx.Client, disk: AisDisk)
 
 
 def test_hpush_empty_output_is_200_not_204(client: httpx.Client) -> None:
-    # An inline 204 is an error for AIS (contract 2.1): only a direct put may answer 204.
+    # An inline 204 is an error for AIS (ais/tgtetl.go): only a direct put may answer 204.
     response = client.put("/train/empty.tar", content=make_tar([]))
     assert response.status_code == 200
     assert read_tar(response.content) == []
@@ -246,7 +246,7 @@ def test_hpush_empty_output_is_200_not_204(client: httpx.Client) -> None:
 
 def test_hpush_fqn_of_a_chunked_object_reads_the_whole_object(client: httpx.Client, disk: AisDisk,
                                                               target: FakeTarget) -> None:
-    # For a chunked AIS object only chunk #1 lives at the FQN (contract 2.1, 11 item 7): the file is
+    # For a chunked AIS object only chunk #1 lives at the FQN (core/ufest.go): the file is
     # shorter than the object. The service must notice (the target knows the size) and not
     # transform a truncated shard.
     inputs = imagenet_like_members(4)

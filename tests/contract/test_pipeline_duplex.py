@@ -1,4 +1,4 @@
-"""A pipeline of two streaming transformers (contract 4.3) must not deadlock on large shards.
+"""A pipeline of two streaming transformers (each stage PUTs its output to the next) must not deadlock on large shards.
 
 Our pod, as a next stage, answers while it still reads its input. A half-duplex hop (httpx sends the
 whole body before reading) deadlocks once both directions' buffers fill; ``duplex.py`` exists for this.

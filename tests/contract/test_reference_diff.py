@@ -3,7 +3,7 @@
 Both get the same requests against the same fake target. The reference runs a transform that re-tars
 its input, and the shards here have no image members, so a correct pair of outputs carries the same
 members and bytes (the tar framing may differ). Where the reference agrees with the contract the
-tests assert equality; where it is known wrong (contract doc sections 4.3 and 6.1) the test names the
+tests assert equality; where it is known wrong (its pipeline and ws code) the test names the
 weakness, pins the reference's behaviour (so a change of the pinned SDK is noticed) and asserts ours.
 """
 
@@ -103,7 +103,7 @@ def test_diff_direct_put_refusal_is_propagated_by_both(client: httpx.Client, ref
 
 def test_diff_destination_200_with_body_is_delivered_by_kind(client: httpx.Client, ref_client: httpx.Client,
                                                              dest_target: FakeTarget) -> None:
-    # Reference known wrong (contract 4.3, 6.1 item 6): it decides "delivered" by an empty body and
+    # Reference known wrong (its base_etl_server.py): it decides "delivered" by an empty body and
     # relays a destination's non-empty 200 as the object. We decide by the entry's kind: 204.
     dest_target.set_fault("*", Fault(status=200, body=b"some words"))
     ours, ref = both(client, ref_client, "PUT", "/src/words.tar", content=plain_shard(1),
@@ -139,7 +139,7 @@ def test_diff_stage_200_body_is_relayed_by_both(client: httpx.Client, ref_client
 
 def test_diff_stage_empty_200_stays_an_empty_object(client: httpx.Client, ref_client: httpx.Client,
                                                     stage: FakeStage) -> None:
-    # Reference known wrong (contract 4.3): "200 with empty body from the next hop" becomes 204, so an
+    # Reference known wrong (its base_etl_server.py): "200 with empty body from the next hop" becomes 204, so an
     # empty result of a middle stage is reported as delivered and lost. We relay the empty 200.
     stage.reply, stage.payload = "bytes", b""
     ours, ref = both(client, ref_client, "PUT", "/src/empty.tar", content=plain_shard(1),
@@ -174,7 +174,7 @@ def test_diff_ws_fqn_reply(service: Service, reference: Service, disk: AisDisk) 
 
 
 def test_diff_ws_error_is_not_a_text_reply(service: Service, reference: Service) -> None:
-    # Reference known wrong (contract 6.1 item 3): a transform error is sent as Text, which AIS counts
+    # Reference known wrong (its ws handler): a transform error is sent as Text, which AIS counts
     # as "delivered by direct put" (a silently missing object). Ours replies Binary with the error JSON.
     messages = [json.dumps({"path": "garbage.tar"}).encode(), b"not a tar at all" * 64]
     ours, ref = _ws_reply(service, messages), _ws_reply(reference, messages)
@@ -183,7 +183,8 @@ def test_diff_ws_error_is_not_a_text_reply(service: Service, reference: Service)
 
 
 def test_diff_download_is_implemented(client: httpx.Client, ref_client: httpx.Client, target: FakeTarget) -> None:
-    # Reference known wrong (contract 2.2, 6.1 item 5): no POST /download (405); ETL download jobs fail.
+    # Reference known wrong (ext/etl/communicator.go calls it for downloads): no POST /download (405);
+    # ETL download jobs fail.
     inputs = plain_members(1, "dl")
     target.origin["dl.tar"] = make_tar(inputs)
     url = f"/download?original_url={target.base_url}/origin/dl.tar&object_to=dl.tar"
@@ -220,7 +221,7 @@ def _idle_connection_survives(port: int, idle: float, result: dict, key: str) ->
 
 def test_diff_keepalive_outlives_the_targets_idle_timeout(service: Service, reference: Service) -> None:
     # The target closes idle connections after 6 s and does not retry a PUT that failed with EOF
-    # (contract 2.1). Reference known wrong (6.1 item 9): uvicorn's default 5 s keep-alive closes first.
+    # (cmn/config.go). Reference known wrong: uvicorn's default 5 s keep-alive closes first.
     result: dict[str, bool] = {}
     threads = [threading.Thread(target=_idle_connection_survives, args=(s.port, 6.5, result, name))
                for name, s in (("ours", service), ("reference", reference))]

@@ -1,4 +1,4 @@
-"""Chunked AIS objects: the FQN holds only chunk #1 (contract doc 2.1); never transform it as the object.
+"""Chunked AIS objects: the FQN holds only chunk #1 (AIS 5.0's core/ufest.go); never transform it as the object.
 
 With ``AIS_TARGET_URL`` set, the service asks the target for the object's size (``HEAD
 <AIS_TARGET_URL>/<PathEscape(uname)>``) before reading an ``etl_fqn``; when the file is shorter it

@@ -150,7 +150,8 @@ def test_direct_put_refused_connection_retries_then_502_never_204(client: httpx.
     started = time.monotonic()
     response = client.put("/src/nowhere.tar", content=SHARD, headers={"Ais-Node-Url": entry})
     elapsed = time.monotonic() - started
-    # A one-shot body cannot be replayed by us: AIS is asked to re-send it (contract doc 2.1).
+    # A one-shot body cannot be replayed by us: AIS is asked to re-send it (ext/etl/communicator.go:
+    # 503 + Ais-Etl-Retry-Reason).
     assert response.status_code == 503, response.text
     assert response.headers["ais-etl-retry-reason"] == "direct-put-transient"
     assert "ConnectError" in response.text and SECRET not in response.text

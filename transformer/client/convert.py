@@ -1,4 +1,4 @@
-"""Convert a folder dataset into WebDataset shards and upload them to an AIS bucket (seed article 1).
+"""Convert a folder dataset into WebDataset shards and upload them to an AIS bucket.
 
 Layouts (``records_*`` functions yield one ``Record`` per sample, complete or not):
 

@@ -1,4 +1,4 @@
-"""Feed a DALI pipeline from ETL'd shards through ``fn.external_source`` (seed article 3, DALI's notebook).
+"""Feed a DALI pipeline from ETL'd shards through ``fn.external_source`` (as in DALI's WebDataset notebook).
 
 DALI's own ``fn.readers.webdataset`` reads local tar files with index files; ETL'd shards are HTTP
 streams, so the samples come in through ``external_source``. ``EtlBatchSource`` is the iterable it

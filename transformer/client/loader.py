@@ -10,7 +10,7 @@ Per DataLoader worker (``stream.SampleStream``)::
 The shard order is shuffled *before* it is split, with a seed shared by all ranks and workers, so
 each shard is read exactly once per epoch across the whole job. Errors go to ``ErrorCounter``, which
 counts (across worker processes), logs the first few and skips: webdataset's ``warn_and_continue``
-sleeps 0.5 s per error (performance doc section 1.2).
+sleeps 0.5 s per error.
 
 Resume: each batch a worker sends carries that worker's stream state right after it (which shard,
 how many of its samples, the shuffle buffer's samples by key, the draws made). The loader keeps the

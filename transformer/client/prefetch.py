@@ -5,7 +5,7 @@ a side stream from pinned host memory (the DataLoader's pin thread pins it: ``ma
 ``pin_memory`` on when CUDA is present), converted there (uint8 -> normalized float, optional
 ``channels_last``), and handed to the consumer only after ``current_stream.wait_event``; every
 tensor handed out gets ``record_stream(current)`` so the caching allocator does not reuse its memory
-while the training step may still read it (performance doc section 3.2, the apex recipe). The pinned
+while the training step may still read it (the apex data_prefetcher recipe). The pinned
 source is safe to drop after the copy is queued: PyTorch's caching host allocator records the copy's
 event on the pinned block and does not reuse it before the copy completes.
 

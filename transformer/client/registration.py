@@ -3,10 +3,10 @@
 ``EtlSettings`` holds everything that defines the pod (image, communication type, timeouts, the
 service's ``ETL_*`` environment). ``register`` sends it through the aistore SDK and is idempotent;
 ``runtime_spec_yaml`` renders the very same init message as YAML for CLI users, so both get the same
-pod. Wire format: contract doc section 5.1 (``ETLSpecMsg``); SDK signatures: section 5.3.
+pod. Wire format: AIS's ``ETLSpecMsg`` (ext/etl/api.go); SDK: aistore 2.0.0's ``Etl``.
 
 The object timeout rule (``obj_timeout_for``): AIS applies ``obj_timeout`` as the Go client timeout
-of the whole exchange, including reading the response body (contract doc section 2.1), so a whole
+of the whole exchange, including reading the response body (Go's http.Client.Timeout), so a whole
 shard must be transformed *and* drained by the reader within it::
 
     per_image   = max(seconds_per_image * concurrent_shards / workers,   # pod CPU, shared by shards
@@ -41,7 +41,7 @@ log = logging.getLogger("transformer.client")
 
 COMM_TYPES = ("hpush", "hpull", "ws")
 # Classic PIL + torchvision pipeline, ImageNet-sized JPEG -> 224 float32 .npy: 3.4-4.0 ms per image
-# on one core (performance doc section 6); the optimized path is ~2x faster. Measure yours with
+# on one core (decode with PIL, v1 transforms); the optimized path is ~2x faster. Measure yours with
 # ``measure_seconds_per_image``.
 DEFAULT_SECONDS_PER_IMAGE = 0.004
 DEFAULT_OBJ_TIMEOUT_FLOOR = 45.0  # the SDK's default obj_timeout: never go below it
@@ -295,7 +295,7 @@ def _init(etl: Etl, settings: EtlSettings, message: dict[str, Any]) -> str:
             direct_put=settings.direct_put,
             **settings.environment(),
         )
-    # SDK 2.0.0 Etl.init has no ``resources`` (contract doc section 5.3): send the same message through
+    # SDK 2.0.0 Etl.init has no ``resources`` (aistore 2.0.0): send the same message through
     # the SDK's own request client, so authentication, retries and error mapping stay the SDK's.
     from aistore.sdk.utils import convert_to_seconds
 

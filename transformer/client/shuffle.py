@@ -1,4 +1,4 @@
-"""Shuffle shards with AIS dSort (seed article 1): records stay whole, shards are re-cut at random.
+"""Shuffle shards with AIS dSort: records stay whole, shards are re-cut at random.
 
 The job spec is built with the SDK's ``DsortFramework`` (``POST /v1/sort``), the job is waited for
 (``GET /v1/sort?uuid=``) and the output shards are listed. Input and output formats are dSort

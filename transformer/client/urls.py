@@ -2,7 +2,7 @@
 
 ``etl_args`` always travel as a compact JSON *string*: SDK 2.0.0 ``Object.get_url`` copies a dict
 argument with ``str()`` (Python repr, not JSON), so a dict would reach the pod as ``{'dtype': ...}``
-(contract doc section 5.4, performance doc section 1.5). The per-epoch seed lives in ``etl_args``
+(AIS passes ``etl_args`` through to the pod). The per-epoch seed lives in ``etl_args``
 (``seed`` + ``epoch``): the service derives each sample's draw from (seed, epoch, object, key).
 """
 
@@ -210,8 +210,8 @@ def pod_urls(
 ) -> list[str]:
     """URLs straight at a transformer pod, exactly as an AIS hpull redirect builds them.
 
-    ``GET <pod>/<PathEscape(uname)>?etl_fqn=<PathEscape(fqn)>&etl_args=<json>`` (contract doc
-    section 2.3). With ``mountpath`` the pod reads ``<mountpath>/@ais/<bucket>/%ob/<object>``
+    ``GET <pod>/<PathEscape(uname)>?etl_fqn=<PathEscape(fqn)>&etl_args=<json>`` (AIS's
+    ext/etl/communicator.go). With ``mountpath`` the pod reads ``<mountpath>/@ais/<bucket>/%ob/<object>``
     from its own disk; without it, the pod fetches the object from ``AIS_TARGET_URL``. For local
     runs and tests without an AIS cluster.
     """

@@ -1,4 +1,4 @@
-"""The AIS ETL contract over HTTP and WebSocket (contract doc sections 2-4).
+"""The AIS ETL contract over HTTP and WebSocket (docs/ais-contract.md).
 
 Routes: ``PUT /<bucket>/<obj>`` (hpush), ``GET /<PathEscape(uname)>`` (hpull), ``WS /ws``,
 ``POST /download``, ``GET /health``, ``GET /metrics``. Each shard request becomes a ``ShardJob``;
@@ -86,7 +86,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.post("/download")
     async def download(request: Request) -> Response:
-        """ETL download jobs: fetch ``original_url``, transform, answer 200 + bytes (contract 2.2)."""
+        """ETL download jobs: fetch ``original_url``, transform, answer 200 + bytes (ext/etl/communicator.go)."""
         query = request.query_params
         url = query.get("original_url", "")
         if urlsplit(url).scheme not in ("http", "https"):
@@ -126,7 +126,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 # AIS sends PathEscape(uname): one segment. Anything else could walk to another target
                 # endpoint with our ETL secret in the URL (no open proxy to the cluster).
                 return _error(RequestError(f"hpull path {raw!r} is not one escaped uname segment"))
-            # Keep the escaping exactly: the uname travels as one path segment (contract 2.3).
+            # Keep the escaping exactly: the uname travels as one path segment (ext/etl/communicator.go).
             url = f"{target}/{raw}"
             if request.query_params.get("latest-ver"):
                 url += "?latest-ver=true"

@@ -1,6 +1,6 @@
 """``etl_fqn``: the local path of an object on the target's disk, decoded and confined.
 
-AIS double-encodes the FQN in HTTP (contract doc section 2.1): after the framework's query decoding
+AIS double-encodes the FQN in HTTP (ext/etl/communicator.go): after the framework's query decoding
 exactly one more percent-decode is needed (every AIS FQN contains ``%ob``). The path must have the
 AIS mountpath layout ``<mountpath>/@<provider>/[<ns>/]<bucket>/%ob/<object>`` and, when
 ``ETL_FQN_ROOTS`` is set, lie under one of those roots after resolving symlinks and ``..``: the pod's

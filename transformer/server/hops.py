@@ -1,6 +1,6 @@
 """Where the output goes after this pod: ``Ais-Node-Url`` parsing, direct put, the next ETL stage.
 
-Grammar (contract doc section 4.1): a comma-separated list; an entry **with a URL path** is the
+Grammar (AIS's api/apc/etl.go, ais/tgtobj.go): a comma-separated list; an entry **with a URL path** is the
 destination target (direct put, always last), an entry **without a path** is the next ETL stage.
 We classify by that rule and never by response body length, so an empty output is still correct.
 

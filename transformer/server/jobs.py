@@ -113,7 +113,7 @@ class HttpSource(Source):
 class ObjectFileSource(FileSource):
     """An ``etl_fqn`` file checked against the target's size of the object first (chunked objects).
 
-    For a chunked AIS object only the first chunk lives at the FQN (contract doc 2.1), so reading
+    For a chunked AIS object only the first chunk lives at the FQN (core/ufest.go), so reading
     the file alone would transform a truncated shard. A ``HEAD`` of the object on the target
     (``AIS_TARGET_URL/<escaped uname>``, answered from metadata) gives its full size; when it differs
     from the file's, the object is fetched over HTTP instead. When the target cannot tell (HEAD
@@ -592,7 +592,7 @@ class ShardJob:
                                   deadline=self.deadline, replayable=self.source.replayable)
         except UpstreamError as exc:
             if not self.source.replayable and exc.status >= 500 and exc.status != 504 and exc.transient:
-                # The target re-sends a replayable body when asked this way (contract doc 2.1).
+                # The target re-sends a replayable body when asked this way (ext/etl/communicator.go).
                 return Final(503, exc.message.encode(), {HEADER_RETRY_REASON: RETRY_REASON_TRANSIENT})
             raise
         with contextlib.closing(response):  # httpx.Response is no context manager
