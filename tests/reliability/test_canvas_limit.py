@@ -1,4 +1,4 @@
-"""Transforms that would allocate a huge canvas are refused before they allocate (issue 6, "no unbounded memory").
+"""Transforms that would allocate a huge canvas are refused before they allocate.
 
 ``ETL_MAX_IMAGE_PIXELS`` checks the decoded image, but a transform can still grow it: an ordinary
 ``Resize(256)`` of a 1 x 100000 strip (100k pixels, accepted) asks for 256 x 25.6M pixels (19 GB),

@@ -1,4 +1,4 @@
-"""Faults around the service (issue 6, "Faults"): callers that leave, upstreams and hops that fail.
+"""Faults around the service: callers that leave, upstreams and hops that fail.
 
 Every wait here is bounded by the service's object timeout (``OBJ_TIMEOUT``): retries happen inside
 it, then the answer is a clear error naming the object and the reason, never a 204 and never a

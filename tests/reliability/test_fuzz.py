@@ -1,4 +1,4 @@
-"""Property-based fuzzing (hypothesis) of every parser a request reaches (issue 6, "Fuzzing").
+"""Property-based fuzzing (hypothesis) of every parser a request reaches.
 
 Each parser either succeeds or raises its one documented error type (``ShardError``,
 ``OptionsError``, ``RequestError``): no other exception, no hang (hypothesis' per-example deadline),

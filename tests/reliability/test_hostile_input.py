@@ -1,4 +1,4 @@
-"""Hostile and broken input through the real service (issue 6, "Hostile and broken input").
+"""Hostile and broken input through the real service.
 
 For each input the expected status or per-sample outcome is written in the test, the message
 names the shard, the sample and the reason, and the service keeps serving (``still_serving``

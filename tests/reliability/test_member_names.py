@@ -1,4 +1,4 @@
-"""Hostile member names: what the engine does with each (issue 6, "member names ...").
+"""Hostile member names: what the engine does with each.
 
 The service never uses a member name as a filesystem path (it reads one tar stream and writes
 another), so names with ``..``, absolute paths or non-UTF-8 bytes are carried over exactly, with

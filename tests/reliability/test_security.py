@@ -1,4 +1,4 @@
-"""Security (issue 6): FQN confinement, no open proxy, no code from the request, hostile ws peers.
+"""Security: FQN confinement, no open proxy, no code from the request, hostile ws peers.
 
 The pod's NodePort is reachable from the node network, so every request is treated as hostile:
 ``etl_fqn`` may only name an object file under the AIS mountpath layout (and ``ETL_FQN_ROOTS``),

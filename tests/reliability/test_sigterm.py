@@ -1,4 +1,4 @@
-"""SIGTERM while shards are in flight (issue 6): finish or fail cleanly within the grace period, refuse new work.
+"""SIGTERM while shards are in flight: finish or fail cleanly within the grace period, refuse new work.
 
 ``wds-transform serve`` runs uvicorn with ``timeout_graceful_shutdown`` = ``ETL_OBJ_TIMEOUT``: on
 SIGTERM it closes the listening socket at once (new connections are refused, so K8s/AIS move on to

@@ -1,4 +1,4 @@
-"""The tar reader never turns a damaged shard into a shorter, valid-looking one (issue 6).
+"""The tar reader never turns a damaged shard into a shorter, valid-looking one.
 
 ``tarfile`` in stream mode takes a cut-off header, a missing end-of-archive marker or a garbage
 header block after the first member for a normal end of the archive; ``shards.read_samples`` must
