@@ -248,17 +248,15 @@ def _submitted(stream, options, pool, shard, object_name, report, cancel, check,
     with an end marker: it is checked against what came before it and dropped, as this shard gets its own.
     The first ``options.skip`` samples are read past (their bytes only; nothing decoded, nothing written).
     """
-    whole = ShardCheck(shard)
-    read = 0  # the skipped samples too
+    whole = ShardCheck(shard)  # whole.samples: the samples read, the skipped ones too
     for sample in read_samples(stream, shard, options.max_member_bytes):
         check()
         if whole.sample(sample):
             continue
-        read += 1
-        whole.samples = read  # for the message, should its marker not match
-        if read == 1:
+        whole.samples += 1
+        if whole.samples == 1:
             report.mtime = sample.members[0].info.mtime  # reproducible manifest header, skip or not
-        if read <= options.skip:
+        if whole.samples <= options.skip:
             continue
         report.samples_in += 1
         task = None

@@ -83,12 +83,6 @@ def _describe(exc: BaseException) -> str:
     return f"{exc.__class__.__name__}: {text}"[:500]
 
 
-def _describe(exc: BaseException) -> str:
-    parts = [str(a) for a in exc.args if isinstance(a, (str, int)) and str(a)]
-    text = "; ".join(parts) if parts else exc.__class__.__name__
-    return f"{exc.__class__.__name__}: {text}"[:500]
-
-
 def _mix(*values: int) -> str:
     """A seed for ``random.Random`` from several integers; str seeds are hashed with SHA-512, so every
     process derives the same generator (unlike ``hash``, which is salted per process for str)."""

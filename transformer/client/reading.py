@@ -168,30 +168,19 @@ def whole_shard_samples(
             stream.close()
 
 
-def whole_samples(
-    sources: Iterable[dict[str, Any]],
-    handler: Callable[[BaseException], bool],
-    *,
-    opener: Callable[[str], BinaryIO] = open_shard,
-    retries: int = 2,
-    require_marker: bool = True,
-) -> Iterator[dict[str, Any]]:
+def _tarfile_to_whole_samples(data: Iterable[dict[str, Any]], handler: Callable[[BaseException], bool] =
+                              wds.reraise_exception, retries: int = 2, require_marker: bool = True,
+                              timeout: tuple[float, float] = (10.0, 300.0)) -> Iterator[dict[str, Any]]:
     """``whole_shard_samples`` for each ``{"url": ...}``; errors go to the webdataset ``handler``
     (true: go on with the next shard; false: stop)."""
-    for source in sources:
+    opener = functools.partial(open_shard, timeout=timeout)
+    for source in data:
         try:
             yield from whole_shard_samples(source["url"], opener=opener, retries=retries,
                                            require_marker=require_marker)
         except Exception as exc:
             if not handler(exc):
                 break
-
-
-def _tarfile_to_whole_samples(data: Iterable[dict[str, Any]], handler: Callable[[BaseException], bool] =
-                              wds.reraise_exception, retries: int = 2, require_marker: bool = True,
-                              timeout: tuple[float, float] = (10.0, 300.0)) -> Iterator[dict[str, Any]]:
-    return whole_samples(data, handler, opener=functools.partial(open_shard, timeout=timeout), retries=retries,
-                         require_marker=require_marker)
 
 
 tarfile_to_whole_samples = pipelinefilter(_tarfile_to_whole_samples)
