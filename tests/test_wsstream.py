@@ -52,24 +52,31 @@ def pong(payload: bytes) -> bytes:
     return Frame(Opcode.PONG, payload).serialize(mask=False, extensions=[])
 
 
+async def accepted_connection() -> tuple[FragmentingWebSocketProtocol, Transport]:
+    """The protocol on an in-memory transport, its handshake done and the connection accepted by an app
+    that then only waits."""
+    accepted = asyncio.Event()
+
+    async def app(scope, receive, send) -> None:
+        await receive()  # websocket.connect
+        await send({"type": "websocket.accept"})
+        accepted.set()
+        await asyncio.sleep(3600)
+
+    config = Config(app=app, ws=FragmentingWebSocketProtocol, ws_ping_interval=None, ws_ping_timeout=None,
+                    ws_per_message_deflate=False, log_level="warning")
+    config.load()
+    protocol = FragmentingWebSocketProtocol(config, ServerState(), {})
+    transport = Transport()
+    protocol.connection_made(transport)
+    protocol.data_received(HANDSHAKE)
+    await asyncio.wait_for(accepted.wait(), 5)
+    return protocol, transport
+
+
 def test_pongs_wait_while_the_threads_write_and_go_out_after() -> None:
     async def scenario() -> tuple[bytes, bytes, bytes, bool]:
-        accepted = asyncio.Event()
-
-        async def app(scope, receive, send) -> None:
-            await receive()  # websocket.connect
-            await send({"type": "websocket.accept"})
-            accepted.set()
-            await asyncio.sleep(3600)
-
-        config = Config(app=app, ws=FragmentingWebSocketProtocol, ws_ping_interval=None, ws_ping_timeout=None,
-                        ws_per_message_deflate=False, log_level="warning")
-        config.load()
-        protocol = FragmentingWebSocketProtocol(config, ServerState(), {})
-        transport = Transport()
-        protocol.connection_made(transport)
-        protocol.data_received(HANDSHAKE)
-        await asyncio.wait_for(accepted.wait(), 5)
+        protocol, transport = await accepted_connection()
         registered = protocol.scope["extensions"][EXTENSION] is protocol
         handshake_end = len(transport.written)
 
@@ -100,22 +107,7 @@ def test_a_failed_reply_ends_with_its_error_frame_even_while_the_peer_does_not_r
     # the message's last frame, without waiting for the peer (writing is paused); the next message
     # then starts cleanly on the same connection.
     async def scenario() -> tuple[bytes, bool]:
-        accepted = asyncio.Event()
-
-        async def app(scope, receive, send) -> None:
-            await receive()
-            await send({"type": "websocket.accept"})
-            accepted.set()
-            await asyncio.sleep(3600)
-
-        config = Config(app=app, ws=FragmentingWebSocketProtocol, ws_ping_interval=None, ws_ping_timeout=None,
-                        ws_per_message_deflate=False, log_level="warning")
-        config.load()
-        protocol = FragmentingWebSocketProtocol(config, ServerState(), {})
-        transport = Transport()
-        protocol.connection_made(transport)
-        protocol.data_received(HANDSHAKE)
-        await asyncio.wait_for(accepted.wait(), 5)
+        protocol, transport = await accepted_connection()
         start = len(transport.written)
 
         await protocol.send_frame(b"first", first=True, fin=False, deadline=time.monotonic() + 5)

@@ -97,6 +97,14 @@ def service(target: FakeTarget, disk: AisDisk, logs: Path) -> Iterator[Service]:
 
 
 @pytest.fixture(scope="session")
+def loop_service(target: FakeTarget, disk: AisDisk, logs: Path) -> Iterator[Service]:
+    """The service with every body and ws frame sent by the event loop (no direct send)."""
+    server = start_transformer("transformer-loop-send", logs, transformer_env(target, disk, ETL_DIRECT_SEND="false"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def impatient(target: FakeTarget, disk: AisDisk, logs: Path) -> Iterator[Service]:
     """A second service whose obj_timeout is 2 s, for the timeout contract (started only when asked for)."""
     server = start_transformer("transformer-2s", logs, transformer_env(target, disk, ETL_OBJ_TIMEOUT="2s"))

@@ -29,17 +29,9 @@ from tests.tlscerts import TlsFiles, make_tls_files
 
 from .conftest import AisDisk, transformer_env
 from .fake_ais import FakeTarget
-from .harness import Service, args_query, fqn_query, free_port, start_transformer
+from .harness import Service, args_query, fqn_query, free_port
 from .test_half_duplex_clients import _shard as half_duplex_shard
 from .test_ws import REPLY_TIMEOUT, control, request, ws_session
-
-
-@pytest.fixture(scope="module")
-def loop_service(target: FakeTarget, disk: AisDisk, logs: Path) -> Iterator[Service]:
-    server = start_transformer("transformer-loop-send", logs,
-                               transformer_env(target, disk, ETL_DIRECT_SEND="false"))
-    yield server
-    server.stop()
 
 
 def send_paths(url: str) -> dict[str, float]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import io
 import json
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +29,10 @@ from tests.shardgen import imagenet_like_members, make_tar
 from transformer.errors import ShardError
 from transformer.shards import read_samples
 
-from .conftest import AisDisk, transformer_env
+from .conftest import AisDisk
 from .fake_ais import FakeStage, FakeTarget, Fault
 from .fake_ws import FakeWsSession
-from .harness import Service, escaped_uname, start_transformer
+from .harness import Service, escaped_uname
 from .outputs import truncated
 from .test_direct_send import send_paths, wait_for_path
 
@@ -62,14 +62,6 @@ def split_error(data: bytes) -> tuple[bytes, dict[str, Any]]:
 def assert_refused_by_a_strict_tar_reader(data: bytes) -> None:
     with pytest.raises(ShardError):
         list(read_samples(io.BytesIO(data), "reply.tar", 2**30))
-
-
-@pytest.fixture(scope="module")
-def loop_service(target: FakeTarget, disk: AisDisk, logs: Path) -> Iterator[Service]:
-    """The service with every frame sent by the event loop (no direct send)."""
-    server = start_transformer("transformer-ws-loop", logs, transformer_env(target, disk, ETL_DIRECT_SEND="false"))
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")
