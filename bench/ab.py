@@ -6,7 +6,8 @@ machine. Per version and round: images/s, server CPU ms per image, and the serve
 report gives medians with min-max over rounds and B/A round by round, whose spread is the noise a
 difference must exceed.
 
-``--base REV`` checks REV out in a temporary git worktree as A and uses this checkout as B.
+``--base REV`` checks REV out in a temporary git worktree as A and uses this checkout as B;
+``--a . --b-env ETL_DIRECT_SEND=false`` compares one version with itself under two settings.
 """
 
 from __future__ import annotations
@@ -38,9 +39,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=None, help="service threads (default: usable CPUs)")
     parser.add_argument("--work", type=Path, help="folder for shards and logs (default: temporary)")
     parser.add_argument("--json", type=Path, help="also write every figure here")
+    parser.add_argument("--a-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="a setting for version A only (repeatable), e.g. ETL_DIRECT_SEND=false")
+    parser.add_argument("--b-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="a setting for version B only (repeatable)")
     args = parser.parse_args(argv)
     if (args.base is None) == (args.a is None):
         parser.error("give exactly one of --base and --a")
+    for option in (*args.a_env, *args.b_env):
+        if "=" not in option:
+            parser.error(f"{option!r}: expected NAME=VALUE")
     return args
 
 
@@ -79,7 +87,9 @@ def run(a: Path, b: Path, args: argparse.Namespace, work: Path) -> dict:
     logs = work / "logs"
     logs.mkdir(exist_ok=True)
     versions = {"A": a, "B": b}
-    servers = {name: services.start_service(logs, work / "mp", workers, name=f"service-{name}", source=tree)
+    envs = {"A": dict(o.split("=", 1) for o in args.a_env), "B": dict(o.split("=", 1) for o in args.b_env)}
+    servers = {name: services.start_service(logs, work / "mp", workers, extra_env=envs[name], name=f"service-{name}",
+                                            source=tree)
                for name, tree in versions.items()}
     rounds: list[dict] = []
     try:
@@ -97,7 +107,8 @@ def run(a: Path, b: Path, args: argparse.Namespace, work: Path) -> dict:
     finally:
         for server in servers.values():
             server.stop()
-    return {"a": str(a), "b": str(b), "preset": args.preset, "workers": workers,
+    return {"a": " ".join([str(a), *args.a_env]), "b": " ".join([str(b), *args.b_env]), "preset": args.preset,
+            "workers": workers,
             "images_per_round": sum(s.images for s in shards), "rounds": rounds}
 
 

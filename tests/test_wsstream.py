@@ -1,6 +1,6 @@
-"""server/wsstream.py's protocol alone: while a shard's threads write frames, no pong is written; a
-failed reply's last frame goes out without waiting, after the held pongs, and the next message starts
-cleanly.
+"""server/protocols.py's ws protocol with output.send_ws_frame: while the driver thread writes frames,
+no pong is written; a failed reply's last frame goes out without waiting, after the held pongs, and
+the next message starts cleanly.
 
 Driven in memory (no socket) so the check is exact; tests/contract/test_direct_send.py has a slow
 client ping all through a real reply.
@@ -15,7 +15,9 @@ from uvicorn.config import Config
 from uvicorn.server import ServerState
 from websockets.frames import Frame, Opcode
 
-from transformer.server.wsstream import EXTENSION, FragmentingWebSocketProtocol
+from transformer.server.output import send_ws_frame
+from transformer.server.protocols import WS_EXTENSION as EXTENSION
+from transformer.server.protocols import FragmentingWebSocketProtocol
 
 HANDSHAKE = (b"GET /ws HTTP/1.1\r\nHost: test\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
              b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
@@ -110,18 +112,18 @@ def test_a_failed_reply_ends_with_its_error_frame_even_while_the_peer_does_not_r
         protocol, transport = await accepted_connection()
         start = len(transport.written)
 
-        await protocol.send_frame(b"first", first=True, fin=False, deadline=time.monotonic() + 5)
+        await send_ws_frame(protocol, b"first", first=True, fin=False, deadline=time.monotonic() + 5)
         protocol.threads_write(True)  # the shard's threads write the next frames
         protocol.data_received(ping(b"during"))
         protocol.pause_writing()  # the peer stopped reading
         timed_out = False
         try:
-            await protocol.send_frame(b"more", first=False, fin=False, deadline=time.monotonic() + 0.05)
+            await send_ws_frame(protocol, b"more", first=False, fin=False, deadline=time.monotonic() + 0.05)
         except asyncio.TimeoutError:
             timed_out = True
         protocol.threads_write(False)  # the failure: the threads stopped
-        await protocol.send_frame(b'{"message": "failed"}', first=False, fin=True, deadline=None)
-        await protocol.send_frame(b"next", first=True, fin=True, deadline=None)  # a new message: clean state
+        await send_ws_frame(protocol, b'{"message": "failed"}', first=False, fin=True, deadline=None)
+        await send_ws_frame(protocol, b"next", first=True, fin=True, deadline=None)  # a new message: clean state
         for task in list(protocol.tasks):
             task.cancel()
         return bytes(transport.written[start:]), timed_out

@@ -62,22 +62,22 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .config import Settings
-    from .server.direct import DirectSendProtocol
-    from .server.wsstream import FragmentingWebSocketProtocol
+    from .server.protocols import DirectSendProtocol, FragmentingWebSocketProtocol
 
     settings = Settings.from_env()  # fail fast, before binding the port, on a bad setting
     uvicorn.run(
-        "transformer.server:app",
+        "transformer.server:create_app",
+        factory=True,
         host=args.host or settings.host,
         port=args.port or settings.port,
         # Above the AIS target's 6 s idle timeout, so the target never reuses a connection we closed
         # (AIS does not retry a PUT that failed with EOF; ext/etl/communicator.go).
         timeout_keep_alive=settings.keepalive,
         # uvicorn's httptools protocol, which also hands the connection's transport to shard responses
-        # so their threads can write the output themselves (server/direct.py).
+        # so the shard's driver thread can write the output itself (server/output.py).
         http=DirectSendProtocol,
         # uvicorn's websockets (sans-I/O) protocol, which can also send a reply frame by frame
-        # (server/wsstream.py). AIS sends up to 16 GiB per message and a shard sent as content is one
+        # (server/output.py). AIS sends up to 16 GiB per message and a shard sent as content is one
         # message, held in memory whole: the shard limit caps it (the 1 MiB floor keeps room for
         # control messages).
         ws=FragmentingWebSocketProtocol,

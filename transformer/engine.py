@@ -5,16 +5,11 @@
 shard (and ``max_inflight`` across all shards) are in memory. Threads, not processes: decode, resize
 and the float math release the GIL, workers share the process's memory (one copy of torch), and
 results need no serialization; per-sample RNG draws are made thread-safe in ``spec.Pipeline.apply``.
-
-Given a non-blocking ``writer`` (direct send), the transform thread that completes the oldest unwritten
-sample writes it itself, and the driver only reads and refills the window in batches (``_Relay``).
 """
 
 from __future__ import annotations
 
 import _thread
-import enum
-import itertools
 import json
 import logging
 import queue
@@ -66,12 +61,8 @@ class TransformPool:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, fn: Callable, *args, cancel: threading.Event | None = None,
-               on_done: Callable[[], None] | None = None) -> Task:
-        """Queue ``fn(*args)`` once a slot is free (waiting raises ``Cancelled`` when ``cancel`` is set).
-
-        ``on_done`` runs in the pool's thread once the task ran or was skipped (``done()`` is true).
-        """
+    def submit(self, fn: Callable, *args, cancel: threading.Event | None = None) -> Task:
+        """Queue ``fn(*args)`` once a slot is free (waiting raises ``Cancelled`` when ``cancel`` is set)."""
         while True:
             if self._closed:
                 raise RuntimeError("the transform pool is shut down")
@@ -81,7 +72,7 @@ class TransformPool:
             except queue.Empty:
                 if cancel is not None and cancel.is_set():
                     raise Cancelled("cancelled while waiting for a transform slot") from None
-        task = Task(fn, args, on_done)
+        task = Task(fn, args)
         self._tasks.put(task)
         return task
 
@@ -112,15 +103,14 @@ class TransformPool:
 class Task:
     """One sample's work in the pool; what the engine uses of a future."""
 
-    __slots__ = ("_call", "_value", "_error", "_cancelled", "_finished", "_on_done")
+    __slots__ = ("_call", "_value", "_error", "_cancelled", "_finished")
 
-    def __init__(self, fn: Callable, args: tuple, on_done: Callable[[], None] | None = None):
+    def __init__(self, fn: Callable, args: tuple):
         self._call: tuple[Callable, tuple] | None = (fn, args)
         self._value = self._error = None
         self._cancelled = False
         self._finished = _thread.allocate_lock()  # held until the task ran or was skipped
         self._finished.acquire()
-        self._on_done = on_done
 
     def run(self) -> None:
         fn, args = self._call
@@ -133,12 +123,6 @@ class Task:
             except BaseException as exc:  # as a Future: every failure reaches result()
                 self._error = exc
         self._finished.release()
-        on_done, self._on_done = self._on_done, None
-        if on_done is not None:
-            try:
-                on_done()
-            except Exception:  # the callback reports its own failures; the pool thread must survive
-                log.exception("a transform task's completion callback failed")
 
     def done(self) -> bool:
         return not self._finished.locked()
@@ -186,14 +170,6 @@ class ShardReport:
         ).encode()
 
 
-class Write(enum.IntEnum):
-    """What a ``writer`` given to ``transform_shard`` did with a chunk."""
-
-    OK = 0  # written (or held to go out with the next one): go on
-    FULL = 1  # taken, but the socket is full: the shard's driver writes from the next chunk on
-    REFUSED = 2  # not taken (no direct socket yet, or not any more): the driver writes this chunk
-
-
 def transform_shard(
     stream: BinaryIO,
     options: TransformOptions,
@@ -205,71 +181,76 @@ def transform_shard(
     report: ShardReport | None = None,
     cancel: threading.Event | None = None,
     deadline: float | None = None,
-    writer: Callable[[bytes | memoryview], Write] | None = None,
 ) -> Iterator[bytes | memoryview]:
-    """Yield the transformed shard as tar bytes, in input order. Raises on ``fail`` or bad input.
-
-    With ``writer``, the transform thread that completes the oldest unwritten sample writes it (and
-    every later one already done) through ``writer``, which must never block; only what ``writer``
-    refuses, and everything after it until the driver caught up, is yielded. See ``_Relay``.
-    """
-    report = report if report is not None else ShardReport(shard, object_name, options.on_error)
-    emitter = _Emitter(options, shard, report)
-
-    def check() -> None:
-        if cancel is not None and cancel.is_set():
-            raise Cancelled(f"shard '{shard}': caller went away")
-        if deadline is not None and time.monotonic() > deadline:
-            raise TransformerError(f"shard '{shard}': object timeout exceeded after {report.samples_in} samples")
-
-    if writer is not None:
-        yield from _relayed(stream, options, pool, shard, object_name, window, report, cancel, check, emitter, writer)
-        return
+    """Yield the transformed shard as tar bytes, in input order. Raises on ``fail`` or bad input."""
+    read = _ShardRead(options, pool, shard, object_name,
+                      report if report is not None else ShardReport(shard, object_name, options.on_error),
+                      cancel, deadline)
+    emitter = _Emitter(options, shard, read.report)
     pending: deque[tuple[Sample, Task | None]] = deque()
     try:
-        for sample, future in _submitted(stream, options, pool, shard, object_name, report, cancel, check):
-            pending.append((sample, future))
+        for sample, task in read.submitted(stream):
+            pending.append((sample, task))
             while pending and (len(pending) >= window or pending[0][1] is None or pending[0][1].done()):
                 yield from emitter.pieces(*pending.popleft())
         while pending:
-            check()
+            read.check()
             yield from emitter.pieces(*pending.popleft())
         yield from emitter.finish()
     finally:
-        for _, future in pending:
-            if future is not None:
-                future.cancel()
+        for _, task in pending:
+            if task is not None:
+                task.cancel()
 
 
-def _submitted(stream, options, pool, shard, object_name, report, cancel, check, on_done=None):
-    """The shard's samples in order, each with its transform task (None: nothing in it to transform).
+@dataclass
+class _ShardRead:
+    """The input side of one shard: its samples read in order and submitted to the pool."""
 
-    An input that is itself the output of this ETL (a pipeline stage before us, an ETL'd copy) ends
-    with an end marker: it is checked against what came before it and dropped, as this shard gets its own.
-    The first ``options.skip`` samples are read past (their bytes only; nothing decoded, nothing written).
-    """
-    whole = ShardCheck(shard)  # whole.samples: the samples read, the skipped ones too
-    for sample in read_samples(stream, shard, options.max_member_bytes):
-        check()
-        if whole.sample(sample):
-            continue
-        whole.samples += 1
-        if whole.samples == 1:
-            report.mtime = sample.members[0].info.mtime  # reproducible manifest header, skip or not
-        if whole.samples <= options.skip:
-            continue
-        report.samples_in += 1
-        task = None
-        if needs_transform(sample, options):
-            task = pool.submit(transform_sample, sample, options, shard, object_name, cancel=cancel, on_done=on_done)
-        yield sample, task
+    options: TransformOptions
+    pool: TransformPool
+    shard: str
+    object_name: str
+    report: ShardReport
+    cancel: threading.Event | None
+    deadline: float | None
+
+    def check(self) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            raise Cancelled(f"shard '{self.shard}': caller went away")
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise TransformerError(f"shard '{self.shard}': object timeout exceeded after "
+                                   f"{self.report.samples_in} samples")
+
+    def submitted(self, stream: BinaryIO) -> Iterator[tuple[Sample, Task | None]]:
+        """The shard's samples in order, each with its transform task (None: nothing in it to transform).
+
+        An input that is itself the output of this ETL (a pipeline stage before us, an ETL'd copy) ends
+        with an end marker: it is checked against what came before it and dropped, as this shard gets
+        its own. The first ``options.skip`` samples are read past (their bytes only; nothing decoded,
+        nothing written).
+        """
+        options, report = self.options, self.report
+        whole = ShardCheck(self.shard)  # whole.samples: the samples read, the skipped ones too
+        for sample in read_samples(stream, self.shard, options.max_member_bytes):
+            self.check()
+            if whole.sample(sample):
+                continue
+            whole.samples += 1
+            if whole.samples == 1:
+                report.mtime = sample.members[0].info.mtime  # reproducible manifest header, skip or not
+            if whole.samples <= options.skip:
+                continue
+            report.samples_in += 1
+            task = None
+            if needs_transform(sample, options):
+                task = self.pool.submit(transform_sample, sample, options, self.shard, self.object_name,
+                                        cancel=self.cancel)
+            yield sample, task
 
 
 class _Emitter:
-    """A shard's output as tar bytes, sample by sample; small pieces gathered into one chunk.
-
-    Used by one thread at a time (the driver, or the transform thread holding ``_Relay``'s writer role).
-    """
+    """A shard's output as tar bytes, sample by sample; small pieces gathered into one chunk."""
 
     def __init__(self, options: TransformOptions, shard: str, report: ShardReport):
         self.options, self.shard, self.report = options, shard, report
@@ -313,145 +294,6 @@ class _Emitter:
         self.buffer += END_OF_ARCHIVE
         yield bytes(self.buffer)
         self.buffer = bytearray()
-
-
-def _relayed(stream, options, pool, shard, object_name, window, report, cancel, check, emitter, writer):
-    """``transform_shard`` with the output written by the transform threads where they can (``_Relay``)."""
-    relay = _Relay(emitter, writer)
-    # The reader refills the window in batches: woken once half of it is free, not after every sample.
-    low = max(0, window - max(1, window // 2))
-    try:
-        for sample, task in _submitted(stream, options, pool, shard, object_name, report, cancel, check,
-                                       on_done=relay.pump):
-            relay.add(sample, task)
-            relay.pump()  # a pass-through head, or a task that finished before it was added
-            if relay.unwritten() >= window:
-                yield from relay.wait(low, check)
-            elif relay.needs_driver():  # output (the first chunk, before direct send starts) or an error
-                yield from relay.wait(window - 1, check)  # now, not once the window is full
-        yield from relay.wait(0, check)
-        yield from emitter.finish()
-    finally:
-        relay.close()
-
-
-class _Relay:
-    """Writes a shard's samples in order from whichever thread makes the oldest one ready.
-
-    Why: the driver thread waking once per sample to write it costs about 2% of the compute limit
-    beside the two transform threads (``python -m bench.sender``). Here the transform thread that
-    completes the oldest unwritten sample writes it and every later one already done, holding the
-    writer role (one thread at a time, ``_writing``); the driver only reads and refills the window.
-
-    A transform thread never waits for the caller: ``writer`` is non-blocking, and when it refuses a
-    chunk or finds the socket full, the role passes to the driver (``_driver``), which yields the rest
-    of that sample and every ready one after it (its consumer may block, fall back to the event loop,
-    or raise), then hands the role back. Errors raised while a transform thread writes (the ``fail``
-    policy, the caller gone) are raised by the driver at its next wait.
-    """
-
-    def __init__(self, emitter: _Emitter, writer: Callable[[bytes | memoryview], Write]):
-        self._emitter, self._writer = emitter, writer
-        self._cond = threading.Condition(threading.Lock())
-        self._pending: deque[tuple[Sample, Task | None]] = deque()
-        self._writing = False  # a transform thread (or the driver through pump) is writing
-        self._driver = False  # the driver writes: a chunk was refused or the socket was full
-        self._leftover: Iterator[bytes | memoryview] | None = None  # the rest of that sample's chunks
-        self._error: BaseException | None = None
-        self._closed = False
-        self._low = 0  # the driver wants to be woken once this few samples are unwritten
-
-    def add(self, sample: Sample, task: Task | None) -> None:
-        with self._cond:
-            self._pending.append((sample, task))
-
-    def unwritten(self) -> int:
-        return len(self._pending)
-
-    def needs_driver(self) -> bool:
-        """Whether the driver must write (a chunk was refused or the socket is full) or raise."""
-        return self._driver or self._error is not None
-
-    def _head_ready(self) -> bool:
-        if not self._pending:
-            return False
-        task = self._pending[0][1]
-        return task is None or task.done()
-
-    def pump(self) -> None:
-        """Write what is ready, if no one else is writing (any thread; a task's ``on_done``)."""
-        with self._cond:
-            if self._writing or self._driver or self._closed or self._error is not None or not self._head_ready():
-                return
-            self._writing = True
-        try:
-            while True:
-                with self._cond:
-                    if self._closed or not self._head_ready():
-                        self._writing = False
-                        if self._closed or len(self._pending) <= self._low:  # else no one waits for this
-                            self._cond.notify_all()
-                        return
-                    sample, task = self._pending.popleft()
-                    if len(self._pending) == self._low:  # the driver may refill the window now
-                        self._cond.notify_all()
-                chunks = self._emitter.pieces(sample, task)
-                for chunk in chunks:
-                    done = self._writer(chunk)
-                    if done is not Write.OK:
-                        rest = chunks if done is Write.FULL else itertools.chain((chunk,), chunks)
-                        with self._cond:
-                            self._leftover, self._driver, self._writing = rest, True, False
-                            self._cond.notify_all()
-                        return
-        except BaseException as exc:
-            with self._cond:
-                self._error, self._writing = exc, False
-                self._cond.notify_all()
-
-    def wait(self, low: int, check: Callable[[], None]) -> Iterator[bytes | memoryview]:
-        """Until at most ``low`` samples are unwritten (0: all written); yields what the driver must write."""
-        while True:
-            check()
-            with self._cond:
-                if self._error is not None:
-                    raise self._error
-                if not self._driver:
-                    if len(self._pending) <= low and (low > 0 or not self._writing):
-                        return
-                    self._low = low
-                    self._cond.wait(0.1)
-                    continue
-                leftover, self._leftover = self._leftover, None
-            yield from self._drive(leftover, low)
-
-    def _drive(self, leftover: Iterator[bytes | memoryview] | None, low: int) -> Iterator[bytes | memoryview]:
-        """The driver holds the writer role: the refused sample's rest, then every ready sample (waiting
-        for the oldest only while the window is over ``low``), then the role goes back."""
-        if leftover is not None:
-            yield from leftover
-        while True:
-            with self._cond:
-                if not self._pending or (not self._head_ready() and len(self._pending) <= low):
-                    self._driver = False
-                    break
-                sample, task = self._pending.popleft()
-            yield from self._emitter.pieces(sample, task)
-        self.pump()  # samples that became ready while the driver wrote
-
-    def close(self) -> None:
-        """No more writing from the transform threads; skip tasks not started; wait for a write in progress."""
-        with self._cond:
-            self._closed = True
-            for _, task in self._pending:
-                if task is not None:
-                    task.cancel()
-            while self._writing:
-                self._cond.wait(0.1)
-            # The window's samples and arrays go now, not when the collector breaks the cycle that a
-            # stored error's traceback makes through this object.
-            self._pending.clear()
-            self._leftover = self._error = None
 
 
 def _outcome(

@@ -1,7 +1,7 @@
-"""Direct send (server/direct.py): the shard's threads write the body frames; the bytes are the same.
+"""Direct send (server/output.py): the shard's driver thread writes the body frames; the bytes are the same.
 
 The default service writes each response's body, and each ws reply's frames between its first and its
-last, from the shard's threads once the first chunk went out through uvicorn; ``ETL_DIRECT_SEND=false``
+last, from the shard's driver thread once the first chunk went out through uvicorn; ``ETL_DIRECT_SEND=false``
 sends every chunk through the event loop. Both must give the caller identical bytes, and a caller that
 reads only after sending must still get the whole shard.
 """
@@ -19,7 +19,6 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from websockets.sync.client import connect
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, BytesMessage, Ping, Pong
 from wsproto.events import Request as WsRequest
@@ -198,12 +197,12 @@ import sys
 import uvicorn
 
 from transformer.config import Settings
-from transformer.server.direct import DirectSendProtocol
-from transformer.server.wsstream import FragmentingWebSocketProtocol
+from transformer.server.protocols import DirectSendProtocol, FragmentingWebSocketProtocol
 
 port, certfile, keyfile = sys.argv[1:4]
 settings = Settings.from_env()
-uvicorn.run("transformer.server:app", host="127.0.0.1", port=int(port), timeout_keep_alive=settings.keepalive,
+uvicorn.run("transformer.server:create_app", factory=True, host="127.0.0.1", port=int(port),
+            timeout_keep_alive=settings.keepalive,
             http=DirectSendProtocol, ws=FragmentingWebSocketProtocol,
             ws_max_size=min(16 * 2**30, max(settings.max_shard_bytes, 2**20)), ws_ping_interval=None,
             ws_ping_timeout=None, ws_per_message_deflate=False, log_level=settings.log_level, access_log=False,
@@ -263,13 +262,39 @@ def test_over_tls_the_output_is_never_written_around_the_tls_layer(service: Serv
         by_fqn = https.put(f"{https_service.url}/train/tls-send.tar?{fqn_query(fqn)}&{query}", content=b"")
         assert by_body.status_code == by_fqn.status_code == 200, by_body.text[:300]
         assert by_body.content == by_fqn.content == reference.content
-        with connect(f"wss://127.0.0.1:{https_service.port}/ws", ssl=verify, max_size=None, compression=None,
-                     open_timeout=10, close_timeout=5) as ws:
-            request(ws, "tls-send.tar", fqn=fqn, etl_args=json.dumps({"preset": "imagenet-train", "seed": 13}))
-            assert ws.recv(timeout=REPLY_TIMEOUT) == reference.content
+        reply = _wss_exchange(https_service.port, verify, control(
+            "tls-send.tar", fqn=fqn, etl_args=json.dumps({"preset": "imagenet-train", "seed": 13})))
+        assert reply == reference.content
         deadline = time.monotonic() + 5
         while (after := paths()).get("loop", 0) - before.get("loop", 0) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
     assert after.get("loop", 0) - before.get("loop", 0) == 3, (before, after)
     assert after.get("direct", 0) == before.get("direct", 0) and after.get("direct_then_loop", 0) == \
         before.get("direct_then_loop", 0), (before, after)
+
+
+def _wss_exchange(port: int, verify: ssl.SSLContext, message: bytes) -> bytes:
+    """One ws request over TLS and its reply, from one thread.
+
+    wsproto over a blocking TLS socket: a client that reads and writes one TLS connection from two
+    threads at once (websockets' sync client) can lose the handshake's answer now and then.
+    """
+    connection = WSConnection(ConnectionType.CLIENT)
+    reply = bytearray()
+    with socket.create_connection(("127.0.0.1", port), timeout=REPLY_TIMEOUT) as raw, \
+            verify.wrap_socket(raw, server_hostname="127.0.0.1") as sock:
+        sock.sendall(connection.send(WsRequest(host=f"127.0.0.1:{port}", target="/ws")))
+        while True:
+            data = sock.recv(256 * 1024)
+            if not data:
+                raise ConnectionError("the server closed the connection")
+            connection.receive_data(data)
+            for event in connection.events():
+                if isinstance(event, AcceptConnection):
+                    sock.sendall(connection.send(BytesMessage(data=message)))
+                elif isinstance(event, BytesMessage):
+                    reply += event.data
+                    if event.message_finished:
+                        return bytes(reply)
+                else:
+                    raise AssertionError(f"unexpected {event!r}"[:300])

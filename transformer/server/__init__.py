@@ -1,7 +1,20 @@
-"""The AIS ETL service: ``transformer.server:app`` is the ASGI app, configured from the environment."""
+"""The AIS ETL service. ``create_app()`` builds the ASGI app from the environment; ``wds-transform serve``
+runs it under uvicorn (``uvicorn --factory transformer.server:create_app`` does the same, without the
+direct-send protocols). Importing this package builds nothing: ``transformer.server.app`` is built on
+first access, for ``uvicorn transformer.server:app``.
+"""
 
-from .app import create_app
+from __future__ import annotations
 
-app = create_app()
+from typing import Any
 
-__all__ = ["app", "create_app"]
+from .service import create_app
+
+__all__ = ["create_app"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "app":  # built when asked for, once: reading the settings is no side effect of an import
+        app = globals()["app"] = create_app()
+        return app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""The AIS ETL contract over HTTP and WebSocket (docs/ais-contract.md).
+"""The AIS ETL contract over HTTP and WebSocket (docs/contract.md).
 
 Routes: ``PUT /<bucket>/<obj>`` (hpush), ``GET /<PathEscape(uname)>`` (hpull), ``WS /ws``,
 ``POST /download``, ``GET /health``, ``GET /metrics``. Each shard request becomes a ``ShardJob``;
@@ -25,28 +25,16 @@ from uvicorn.protocols.utils import ClientDisconnected
 
 from ..config import Settings
 from ..engine import TransformPool
-from ..errors import Cancelled, OptionsError, RequestError, TransformerError, UpstreamError
+from ..errors import Cancelled, RequestError, TransformerError
 from ..options import forwarded_etl_args, parse_etl_args
-from . import direct
 from .hops import HEADER_NODE_URL, parse_node_url
-from .jobs import (
-    BodySource,
-    BytesSource,
-    Final,
-    HttpSource,
-    Runtime,
-    ShardJob,
-    Source,
-    fqn_source,
-    shard_too_large,
-    watch_disconnect,
-)
+from .jobs import Runtime, ShardJob, ShardRequest
 from .metrics import Metrics
-from .wsstream import FragmentingWebSocketProtocol, fragmenter_of
+from .output import Final, Output, WsReply, respond_http, send_ws_frame
+from .protocols import FragmentingWebSocketProtocol, fragmenter_of, transport_of
+from .sources import BodySource, BytesSource, HttpSource, Source, fqn_source, shard_too_large, watch_disconnect
 
 log = logging.getLogger("transformer.server")
-
-TAR_CONTENT_TYPE = "application/x-tar"
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -152,7 +140,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             source = make_source(rt, deadline) if make_source is not None else None
         except TransformerError as exc:
             return _error(exc)
-        return ShardResponse(rt, source, options, hop, shard=shard, object_name=object_name, comm=comm)
+        shard_request = ShardRequest(shard=shard, object_name=object_name, comm=comm, options=options, hop=hop)
+        return ShardResponse(rt, shard_request, source, deadline)
 
     @app.websocket("/ws")
     async def websocket(ws: WebSocket) -> None:
@@ -162,83 +151,29 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 
 class ShardResponse(Response):
-    """Streams a shard job's output with a deferred start and a hard abort on late failure.
+    """Streams a shard job's output (``output.respond_http``): the status line once the first chunk or a
+    complete answer exists, a hard abort on a failure after it."""
 
-    The status line is sent only when the first output chunk (or a complete answer) exists, so an
-    unreadable shard or a bad first sample is still a proper 4xx/5xx. After that, a failure raises
-    out of the ASGI call: uvicorn then closes the connection without the final chunk, so the caller
-    sees a broken transfer, never a cleanly terminated, truncated tar.
-    """
-
-    def __init__(self, rt: Runtime, source: Source | None, options, hop, *, shard: str, object_name: str, comm: str):
+    def __init__(self, rt: Runtime, request: ShardRequest, source: Source | None, deadline: float):
         super().__init__()
-        self.rt, self.source, self.options, self.hop = rt, source, options, hop
-        self.shard, self.object_name, self.comm = shard, object_name, comm
+        self.rt, self.request, self.source, self.deadline = rt, request, source, deadline
 
     async def __call__(self, scope, receive, send) -> None:
-        loop = asyncio.get_running_loop()
-        job = ShardJob(self.rt, BytesSource(b""), self.options, shard=self.shard, object_name=self.object_name,
-                       hop=self.hop, comm=self.comm)
-        if self.source is None:
-            body = BodySource(loop, job.cancel)
-            job.source = body
-            watcher = asyncio.create_task(body.pump(receive, job.cancel.set))
-        else:
-            job.source = self.source
-            watcher = asyncio.create_task(watch_disconnect(receive, job.cancel.set))
-        transport = direct.transport_of(scope) if self.rt.settings.direct_send else None
-        if transport is not None:
-            job.handoff = threading.Event()
-        job.start()
-        finished = False
+        cancel = threading.Event()
+        source, body = self.source, None
+        if source is None:  # the request body, read by the event loop as the driver asks for it
+            source = body = BodySource(asyncio.get_running_loop(), cancel)
+        transport = transport_of(scope) if self.rt.settings.direct_send else None
+        output = Output(self.request.shard, cancel=cancel, deadline=self.deadline,
+                        input_done=body.complete if body is not None else None, may_go_direct=transport is not None)
+        watcher = asyncio.create_task(body.pump(receive, cancel.set) if body is not None
+                                      else watch_disconnect(receive, cancel.set))
+        ShardJob(self.rt, self.request, source, output).start()
         try:
-            item = await job.next_item()
-            if isinstance(item, BaseException):
-                finished = True
-                await _send_whole(send, *_error_parts(item))
-                return
-            if isinstance(item, Final):
-                finished = True
-                await _send_whole(send, item.status, item.body, item.headers or {})
-                return
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", TAR_CONTENT_TYPE.encode())]})
-            first = True
-            while item is not None:
-                if isinstance(item, BaseException):
-                    raise StreamAborted(f"aborting the response of shard '{self.shard}' after "
-                                        f"{job.report.bytes_out} bytes: {item}") from item
-                await send({"type": "http.response.body", "body": bytes(item), "more_body": True})
-                if first and transport is not None:
-                    # uvicorn wrote the status line and the first chunk: the driver may take the socket.
-                    ready = await direct.drained(transport, direct.STALL_SECONDS)
-                    job.go_direct((lambda: direct.DirectSender(loop, transport)) if ready else None)
-                first = False
-                item = await job.next_item()
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            finished = True
+            await respond_http(output, send, transport)
         finally:
-            if not finished:
-                job.cancel.set()
+            cancel.set()  # a no-op once the job is done; otherwise it stops the job's work
             watcher.cancel()
-
-
-class StreamAborted(Exception):
-    """Raised out of the ASGI app so the server drops the connection mid-body (on purpose)."""
-
-
-async def _send_whole(send, status: int, body: bytes, headers: dict[str, str]) -> None:
-    raw_headers = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
-    if status != 204:
-        raw_headers.append((b"content-type", b"text/plain; charset=utf-8"))
-    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
-    await send({"type": "http.response.body", "body": b"" if status == 204 else body})
-
-
-def _error_parts(exc: BaseException) -> tuple[int, bytes, dict[str, str]]:
-    if isinstance(exc, TransformerError):
-        return exc.status, exc.message.encode(), {}
-    return 500, f"internal error: {exc!r}".encode(), {}
 
 
 def _error(exc: TransformerError) -> Response:
@@ -264,7 +199,7 @@ async def serve_websocket(ws: WebSocket, rt: Runtime) -> None:
     object (an inline read gets it as the body of its 200; an offline job with a local destination
     stores it) or, when it expected a direct put (remote destination), records an object error; a
     tar reader refuses it either way. The reply leaves frame by frame as the shard is transformed
-    (wsstream.py); a failure after its first frame completes any frame cut short and ends the
+    (output.py); a failure after its first frame completes any frame cut short and ends the
     message with a last frame carrying the same JSON, so the reader holds a tar cut short followed
     by bytes that are no tar (as after a failed hpush reply relayed by AIS), never a shorter,
     valid-looking shard. Only a message that is no JSON control message, a protocol violation,
@@ -291,11 +226,11 @@ async def _ws_serve_one(ws: WebSocket, rt: Runtime, control: dict[str, Any],
                         fragmenter: FragmentingWebSocketProtocol | None) -> bool:
     """One request and its one reply; False when the connection is gone (nothing more can be sent)."""
     pipeline = control.get("pipeline") or ""
-    reply: _WsReply | Final | None = None
+    reply: WsReply | Final | None = None
     try:
         reply = await _ws_request(ws, rt, control, pipeline, fragmenter)
         if isinstance(reply, Final):
-            await ws.send_text(reply.headers.get("Ais-Direct-Put-Length", "0") if reply.headers else "0")
+            await ws.send_text((reply.headers or {}).get("Ais-Direct-Put-Length", "0"))
         elif fragmenter is None:
             await ws.send_bytes(await reply.whole())  # no frame-by-frame sending: one message, held whole
         else:
@@ -309,10 +244,10 @@ async def _ws_serve_one(ws: WebSocket, rt: Runtime, control: dict[str, Any],
     text = failure.message if isinstance(failure, TransformerError) else str(failure)
     log.warning("ws request %s failed: %s", path, text)
     body = ws_error_body(path, failure)
-    if isinstance(reply, _WsReply) and reply.frames_sent > 0 and fragmenter is not None:
+    if isinstance(reply, WsReply) and reply.frames_sent > 0 and fragmenter is not None:
         await reply.end_with_error(fragmenter, body)  # the message already began: its last frame
     elif fragmenter is not None:
-        await fragmenter.send_frame(body, first=True, fin=True, deadline=None)
+        await send_ws_frame(fragmenter, body, first=True, fin=True, deadline=None)
     else:
         await ws.send_bytes(body)
     return True
@@ -340,14 +275,15 @@ def _control_message(message: dict[str, Any]) -> dict[str, Any] | None:
 
 
 async def _ws_request(ws: WebSocket, rt: Runtime, control: dict[str, Any], pipeline: str,
-                      fragmenter: FragmentingWebSocketProtocol | None) -> _WsReply | Final:
+                      fragmenter: FragmentingWebSocketProtocol | None) -> WsReply | Final:
+    """Start one ws request's job; its ``Final`` (a direct put) or its reply once the first chunk exists."""
     path = str(control.get("path") or "")
     etl_args = str(control.get("etl_args") or "")
     fqn = control.get("fqn")
+    deadline = time.monotonic() + rt.settings.obj_timeout
     if fqn:
         # Single-encoded in the ws JSON: resolve_fqn's one percent-decode is the only one.
-        source: Source = fqn_source(str(fqn), rt, time.monotonic() + rt.settings.obj_timeout, shard=path,
-                                    object_name=path)
+        source: Source = fqn_source(str(fqn), rt, deadline, shard=path, object_name=path)
     else:
         content = await ws.receive()
         if content["type"] == "websocket.disconnect":
@@ -358,121 +294,22 @@ async def _ws_request(ws: WebSocket, rt: Runtime, control: dict[str, Any], pipel
         if len(data) > rt.settings.max_shard_bytes:
             raise shard_too_large(path, len(data), rt.settings.max_shard_bytes)
         source = BytesSource(data)
-    try:
-        options = parse_etl_args(etl_args, rt.settings)
-    except OptionsError:
-        raise
+    options = parse_etl_args(etl_args, rt.settings)
     hop = parse_node_url(pipeline or None, path, forwarded_etl_args(etl_args), rt.settings.ais_target_url)
-    job = ShardJob(rt, source, options, shard=path, object_name=path, hop=hop, comm="ws")
-    if fragmenter is not None and rt.settings.direct_send:
-        job.handoff = threading.Event()  # the reply's threads may write its frames (_WsReply.send)
-    job.start()
-    reply = _WsReply(job, path)
+    output = Output(path, cancel=threading.Event(), deadline=deadline,
+                    may_go_direct=fragmenter is not None and rt.settings.direct_send)
+    ShardJob(rt, ShardRequest(shard=path, object_name=path, comm="ws", options=options, hop=hop),
+             source, output).start()
+    reply = WsReply(output, path)
     try:
-        first = await reply.next()
+        final = await reply.start()
     except BaseException:
-        job.cancel.set()
+        output.cancel.set()
         raise
-    if isinstance(first, Final):
-        job.cancel.set()
-        return first
-    reply.first = first
+    if final is not None:
+        output.cancel.set()
+        return final
     return reply
-
-
-class _WsReply:
-    """A ws reply whose first chunk is ready (so a failure before it is still an ordinary error reply)."""
-
-    def __init__(self, job: ShardJob, path: str):
-        self.job, self.path = job, path
-        self.first: bytes | memoryview | None = None
-        self.frames_sent = 0
-
-    async def next(self) -> bytes | memoryview | Final | None:
-        """The job's next output chunk, its ``Final`` (a direct put or a next hop's answer), or None at the end."""
-        item = await self.job.next_item()
-        if item is None or isinstance(item, (bytes, bytearray, memoryview)):
-            return item
-        if isinstance(item, BaseException):
-            raise item if isinstance(item, TransformerError) else TransformerError(repr(item))
-        if isinstance(item, Final):
-            if item.status == 204:
-                return item
-            raise UpstreamError(f"ws request {self.path!r}: next hop answered {item.status}: "
-                                f"{item.body[:300].decode('utf-8', 'replace')}", item.status)
-        return item
-
-    async def _chunks(self):
-        chunk = self.first
-        while chunk is not None:
-            if isinstance(chunk, Final):
-                raise TransformerError(f"ws request {self.path!r}: a direct put answered after output began")
-            yield chunk
-            chunk = await self.next()
-
-    async def whole(self) -> bytes:
-        """Every chunk, joined: the message for a server that cannot send frame by frame."""
-        try:
-            return b"".join([chunk async for chunk in self._chunks()])
-        finally:
-            self.job.cancel.set()
-
-    async def send(self, fragmenter: FragmentingWebSocketProtocol) -> None:
-        """The reply as one Binary message of many frames, each sent as the shard's output arrives.
-
-        With direct send, the first frame goes out here, then the shard's threads write the frames
-        that follow (direct.py, as for HTTP responses); the last frame, with FIN, goes out here again,
-        so websockets' own state stays right. Without it, every frame goes out here.
-        """
-        held = None  # one chunk held back, so the last frame carries data and FIN
-        deadline = self.job.deadline
-        try:
-            async for chunk in self._chunks():
-                if held is not None:
-                    await self._frame(fragmenter, held, fin=False, deadline=deadline)
-                held = chunk
-                if self.frames_sent == 0 and self.job.handoff is not None:
-                    # The job waits for go_direct() after its first chunk: it cannot be held back.
-                    await self._frame(fragmenter, held, fin=False, deadline=deadline)
-                    held = None
-                    await self._go_direct(fragmenter)
-            await self._frame(fragmenter, held if held is not None else b"", fin=True, deadline=deadline)
-        except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
-            raise TransformerError(f"ws request {self.path!r}: the reply was not read within the object "
-                                   "timeout") from None
-        finally:
-            self.job.cancel.set()
-            fragmenter.threads_write(False)
-
-    async def end_with_error(self, fragmenter: FragmentingWebSocketProtocol, body: bytes) -> None:
-        """After a failure: the message already begun ends with ``body`` as its last frame (FIN).
-
-        ``send`` has returned (the job is cancelled, the shard's threads write no more, a frame they
-        cut short was completed through the transport, pongs held back went out). Written without
-        waiting for the peer to read: it is small, and it must follow at once for the next reply to
-        start at a message boundary, also after the object timeout.
-        """
-        await fragmenter.send_frame(body, first=False, fin=True, deadline=None)
-        self.frames_sent += 1
-
-    async def _frame(self, fragmenter: FragmentingWebSocketProtocol, data: bytes | memoryview, *, fin: bool,
-                     deadline: float) -> None:
-        await fragmenter.send_frame(data, first=self.frames_sent == 0, fin=fin, deadline=deadline)
-        self.frames_sent += 1
-
-    async def _go_direct(self, fragmenter: FragmentingWebSocketProtocol) -> None:
-        """After the first frame: the shard's threads write the next ones, once the transport is empty.
-
-        Not with a per-message extension (compression: ``serve`` turns it off), whose frames only
-        websockets can build.
-        """
-        transport = fragmenter.transport
-        ready = not fragmenter.conn.extensions and await direct.drained(transport, direct.STALL_SECONDS)
-        if ready:
-            fragmenter.threads_write(True)  # no pong of ours may land inside a frame being written
-        loop = asyncio.get_running_loop()
-        self.job.go_direct((lambda: direct.DirectSender(loop, transport, frame=direct.ws_continuation_frame,
-                                                        protocol_ends_message=True)) if ready else None)
 
 
 def _http_client(settings: Settings) -> httpx.Client:

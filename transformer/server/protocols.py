@@ -1,0 +1,91 @@
+"""uvicorn's protocols, subclassed only to expose what a shard response needs (transformer/server/output.py).
+
+* ``DirectSendProtocol`` (httptools): each request's ASGI scope also carries the connection's
+  transport, so the shard's driver thread may write the body's frames itself (direct send).
+* ``FragmentingWebSocketProtocol`` (websockets, sans-I/O): the ASGI scope carries the protocol, so a
+  ws reply can leave as a fragmented message (``output.send_ws_frame``), and the protocol holds the
+  pongs it owes while the driver thread writes frames, so none lands inside one.
+
+Why a fragmented ws message: ASGI sends a WebSocket message whole, and AIS wants one message per
+object, so a 1,000-image float32 shard would be a 600 MB reply held in memory, then copied twice
+by uvicorn. RFC 6455 lets one message travel as several frames (section 5.4) and AIS's reader
+(gorilla ``NextReader``) reassembles them. Without these classes (another server, h11,
+``ETL_DIRECT_SEND=false``) the service still works: every chunk takes the ASGI path and a ws reply is
+sent whole.
+
+These classes read uvicorn's protocol attributes (``scope``, ``transport``, ``conn``, ``writable``);
+``pyproject.toml`` pins the uvicorn range they were written for and tests/test_dependency_floors.py
+runs the service on its floor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.http11 import Request
+
+DIRECT_EXTENSION = "transformer.direct_send"
+WS_EXTENSION = "transformer.ws_fragments"
+
+
+class DirectSendProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol; each request's scope also carries the connection's transport."""
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.scope["extensions"] = {DIRECT_EXTENSION: {"transport": self.transport}}
+
+
+def transport_of(scope: dict) -> asyncio.Transport | None:
+    """The connection's transport when this response may use direct send (a body to send, no TLS)."""
+    extension = (scope.get("extensions") or {}).get(DIRECT_EXTENSION)
+    if not extension or scope.get("method") == "HEAD":
+        return None
+    transport = extension.get("transport")
+    return None if transport is None or encrypted(transport) else transport
+
+
+def encrypted(transport: asyncio.BaseTransport) -> bool:
+    """Whether the connection is TLS: only the transport's SSL object may write such a socket.
+
+    asyncio's and uvloop's SSL transports name their context and SSL object.
+    """
+    return transport.get_extra_info("sslcontext") is not None or transport.get_extra_info("ssl_object") is not None
+
+
+class FragmentingWebSocketProtocol(WebSocketsSansIOProtocol):
+    """uvicorn's websockets (sans-I/O) protocol that lets a reply be sent frame by frame."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._threads_write = False
+
+    def threads_write(self, active: bool) -> None:
+        """Whether the shard's driver thread writes frames to the socket (direct send; event loop only).
+
+        Meanwhile a pong this protocol owes stays in websockets' outgoing buffer: written now it could
+        land inside a frame being written. It goes out with the next frame sent by the event loop (the
+        reply's last; control frames may come between fragments, RFC 6455 5.4), or at the end of the
+        hold. Reading goes on, so a next request is still read ahead as before.
+        """
+        self._threads_write = active
+        if not active:
+            pending = self.conn.data_to_send()
+            if pending and not self.transport.is_closing():
+                self.transport.write(b"".join(pending))
+
+    def handle_ping(self) -> None:
+        if not self._threads_write:
+            super().handle_ping()
+
+    def handle_connect(self, event: Request) -> None:
+        super().handle_connect(event)
+        scope = getattr(self, "scope", None)  # only set when the handshake is accepted
+        if scope is not None:
+            scope["extensions"][WS_EXTENSION] = self
+
+
+def fragmenter_of(scope: dict) -> FragmentingWebSocketProtocol | None:
+    return (scope.get("extensions") or {}).get(WS_EXTENSION)

@@ -1,0 +1,316 @@
+"""Where a shard's bytes come from: the request body, an ``etl_fqn`` file, or an HTTP fetch.
+
+Every source opens as a file object read by the shard's driver thread; ``replayable`` sources can be
+read again (a retried direct put), the request body cannot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, BinaryIO
+
+import httpx
+
+from ..errors import Cancelled, RequestError, UpstreamError
+from ..shards import readinto
+from .hops import https_hint
+
+if TYPE_CHECKING:
+    from .jobs import Runtime
+
+log = logging.getLogger("transformer.server")
+
+
+
+class Source:
+    """Where a shard's bytes come from. ``replayable`` sources can be read again for a retry."""
+
+    replayable = True
+    kind = "body"
+
+    def open(self) -> contextlib.AbstractContextManager[BinaryIO]:
+        raise NotImplementedError
+
+
+class FileSource(Source):
+    """A local file named by ``etl_fqn`` (already confined and decoded by ``fqn.resolve``)."""
+
+    kind = "fqn"
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def open(self):
+        return open(self.path, "rb", buffering=1024 * 1024)
+
+
+class HttpSource(Source):
+    """An object fetched over HTTP: hpull from ``AIS_TARGET_URL``, or a ``/download`` origin."""
+
+    kind = "fetch"
+
+    def __init__(self, client: httpx.Client, url: str, deadline: float):
+        self.client, self.url, self.deadline = client, url, deadline
+
+    @contextlib.contextmanager
+    def open(self):
+        remaining = max(0.1, self.deadline - time.monotonic())
+        try:
+            timeout = httpx.Timeout(remaining, connect=min(5.0, remaining))
+            with self.client.stream("GET", self.url, timeout=timeout) as r:
+                if r.status_code != 200:
+                    r.read()
+                    status = 404 if r.status_code == 404 else 502
+                    raise UpstreamError(f"GET {_no_secret(self.url)}: {r.status_code} {r.text[:300]}", status)
+                yield IteratorReader(r.iter_raw())
+        except httpx.TimeoutException as exc:
+            raise UpstreamError(f"GET {_no_secret(self.url)}: timed out ({exc.__class__.__name__})", 504) from None
+        except httpx.HTTPError as exc:
+            raise UpstreamError(f"GET {_no_secret(self.url)}: {exc.__class__.__name__}: {exc}"
+                                f"{https_hint(self.url, exc)}", 502) from None
+
+
+class ObjectFileSource(FileSource):
+    """An ``etl_fqn`` file checked against the target's size of the object first (chunked objects).
+
+    For a chunked AIS object only the first chunk lives at the FQN (core/ufest.go), so reading
+    the file alone would transform a truncated shard. A ``HEAD`` of the object on the target
+    (``AIS_TARGET_URL/<escaped uname>``, answered from metadata) gives its full size; when it differs
+    from the file's, the object is fetched over HTTP instead. When the target cannot tell (HEAD
+    failed), the file is read: the strict tar reader still refuses a shard cut short (422).
+    """
+
+    def __init__(self, path: str, client: httpx.Client, object_url: str, deadline: float):
+        super().__init__(path)
+        self.client, self.object_url, self.deadline = client, object_url, deadline
+
+    @contextlib.contextmanager
+    def open(self):
+        local = os.path.getsize(self.path)
+        size = self._target_size()
+        if size is None or size == local:
+            with open(self.path, "rb", buffering=1024 * 1024) as stream:
+                yield stream
+            return
+        log.warning("etl_fqn %s has %d of the object's %d bytes (a chunked object); fetching %s over HTTP",
+                    self.path, local, size, _no_secret(self.object_url))
+        with HttpSource(self.client, self.object_url, self.deadline).open() as stream:
+            yield stream
+
+    def _target_size(self) -> int | None:
+        remaining = max(0.1, self.deadline - time.monotonic())
+        try:
+            response = self.client.head(self.object_url, timeout=httpx.Timeout(min(5.0, remaining)))
+        except httpx.HTTPError as exc:
+            log.warning("etl_fqn %s: HEAD %s failed (%s); reading the file as is",
+                        self.path, _no_secret(self.object_url), exc.__class__.__name__)
+            return None
+        length = response.headers.get("content-length", "")
+        if response.status_code != 200 or not length.isdigit():
+            log.warning("etl_fqn %s: HEAD %s answered %d without a size; reading the file as is",
+                        self.path, _no_secret(self.object_url), response.status_code)
+            return None
+        return int(length)
+
+
+class BytesSource(Source):
+    """Bytes already in memory (a WebSocket content frame)."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def open(self):
+        return io.BytesIO(self.data)
+
+
+class BodySource(Source):
+    """The request body, read from ASGI ``receive`` by the event loop and handed to the driver thread.
+
+    One-shot: it cannot be replayed, which is why a failed direct put of a body-mode request is
+    answered with AIS's 503 + ``Ais-Etl-Retry-Reason`` (the target then re-sends the body).
+    """
+
+    replayable = False
+
+    _MAX_CHUNKS = 16  # body chunks buffered between the event loop and the driver (then TCP backpressure)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, cancel: threading.Event):
+        self.loop, self.cancel = loop, cancel
+        self.complete = threading.Event()  # the whole body has been received
+        # A deque under a condition rather than an asyncio.Queue: the driver takes each chunk with a
+        # lock, not with a coroutine scheduled on the event loop and waited for (run_coroutine_threadsafe
+        # cost a loop wake-up and a future per 64 KB chunk).
+        self._chunks_in: deque[bytes | Exception] = deque()
+        self._ready = threading.Condition()
+        self._room = asyncio.Event()
+        self._room.set()
+
+    async def pump(self, receive: Callable, on_disconnect: Callable[[], None]) -> None:
+        """Move body chunks to the driver (awaiting room: TCP backpressure), then watch for disconnect."""
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self._put(Cancelled("caller disconnected while sending the body"), force=True)
+                on_disconnect()
+                return
+            body = message.get("body", b"")
+            if body:
+                while not self._put(body):
+                    await self._room.wait()
+            if not message.get("more_body", False):
+                self.complete.set()
+                self._put(b"", force=True)
+                break
+        await watch_disconnect(receive, on_disconnect)
+
+    def _put(self, item: bytes | Exception, force: bool = False) -> bool:
+        """Event loop: queue ``item``; False (and ``_room`` cleared) when full, unless ``force``."""
+        with self._ready:
+            if len(self._chunks_in) >= self._MAX_CHUNKS and not force:
+                self._room.clear()  # under the lock: the driver's wake-up below cannot be lost
+                return False
+            self._chunks_in.append(item)
+            self._ready.notify()
+            return True
+
+    def open(self):
+        return IteratorReader(self._chunks())
+
+    def _chunks(self) -> Iterator[bytes]:
+        while True:
+            with self._ready:
+                while not self._chunks_in:
+                    if not self._ready.wait(0.2) and self.cancel.is_set():
+                        raise Cancelled("cancelled while reading the request body")
+                item = self._chunks_in.popleft()
+                if not self._room.is_set() and len(self._chunks_in) < self._MAX_CHUNKS // 2:
+                    self.loop.call_soon_threadsafe(self._room.set)
+            if isinstance(item, Exception):
+                raise item
+            if item == b"":
+                return
+            yield item
+
+
+async def watch_disconnect(receive: Callable, on_disconnect: Callable[[], None]) -> None:
+    """After the body: ``receive`` returns ``http.disconnect`` only when the caller goes away."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            on_disconnect()
+            return
+
+
+class IteratorReader:
+    """A read-only file object over an iterator of byte chunks (what ``tarfile`` stream mode needs)."""
+
+    def __init__(self, chunks: Iterator[bytes]):
+        self._chunks = iter(chunks)
+        self._buffer = memoryview(b"")
+        self.bytes_read = 0
+
+    def read(self, size: int = -1) -> bytes:
+        if size is None or size < 0:
+            parts = [bytes(self._buffer)] + list(self._chunks)
+            self._buffer = memoryview(b"")
+            data = b"".join(parts)
+            self.bytes_read += len(data)
+            return data
+        while not self._buffer:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                return b""
+            self._buffer = memoryview(chunk)
+        data = bytes(self._buffer[:size])
+        self._buffer = self._buffer[size:]
+        self.bytes_read += len(data)
+        return data
+
+    def readinto(self, buffer) -> int:
+        """Up to ``len(buffer)`` bytes from the current chunk (the next one when it is used up)."""
+        while not self._buffer:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                return 0
+            self._buffer = memoryview(chunk)
+        count = min(len(buffer), len(self._buffer))
+        buffer[:count] = self._buffer[:count]
+        self._buffer = self._buffer[count:]
+        self.bytes_read += count
+        return count
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Counting:
+    """Counts bytes read through any file object (bytes-in metric) and enforces ETL_MAX_SHARD_BYTES."""
+
+    def __init__(self, stream: BinaryIO, shard: str, limit: int):
+        self._stream, self.count = stream, 0
+        self.shard, self.limit = shard, limit
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._stream.read(size)
+        self._counted(len(data))
+        return data
+
+    def readinto(self, buffer) -> int:
+        return self._counted(readinto(self._stream, buffer))
+
+    def _counted(self, count: int) -> int:
+        self.count += count
+        if self.count > self.limit:
+            raise shard_too_large(self.shard, self.count, self.limit)
+        return count
+
+
+def shard_too_large(shard: str, size: int, limit: int) -> RequestError:
+    return RequestError(f"shard '{shard}': {size} bytes or more, over the limit of {limit} (ETL_MAX_SHARD_BYTES)",
+                        status=413)
+
+
+def _no_secret(url: str) -> str:
+    """A URL fit for logs and error bodies: the ETL secret of AIS_TARGET_URL is not repeated."""
+    marker = "/v1/etl/_object/"
+    if marker in url:
+        head, tail = url.split(marker, 1)
+        parts = tail.split("/", 2)
+        if len(parts) == 3:
+            return f"{head}{marker}{parts[0]}/***/{parts[2]}"
+    return url
+
+
+def fqn_source(raw: str, runtime: Runtime, deadline: float, *, shard: str, object_name: str,
+               uname: str | None = None) -> FileSource:
+    """The input named by ``etl_fqn``: decoded, confined, size-limited, and chunk-checked when possible.
+
+    The chunk check needs the target (``AIS_TARGET_URL``); ``uname`` is the object's uname when the
+    request carries it exactly (hpull), otherwise it is derived from the FQN and ``object_name``.
+    """
+    from .fqn import object_uname, path_escape, resolve_fqn
+
+    settings = runtime.settings
+    path = resolve_fqn(raw, settings.fqn_roots)
+    size = os.path.getsize(path)
+    if size > settings.max_shard_bytes:
+        raise shard_too_large(shard, size, settings.max_shard_bytes)
+    if not settings.ais_target_url:
+        return FileSource(path)
+    uname = uname or object_uname(path, object_name)
+    return ObjectFileSource(path, runtime.client, f"{settings.ais_target_url}/{path_escape(uname)}", deadline)
+
