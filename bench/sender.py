@@ -13,8 +13,9 @@ client (``services.CurlSink``), with no tar and no server, in rounds taking turn
   is written (a window of ``--window``, one reader wake-up per sample);
 * ``worker sends, refill in batches``: the same, the reader woken once ``--batch`` slots are free.
 
-The service's driver once did what the second row does; with direct send it now does what
-the last row does (``engine._Relay``, which also hands a full socket back to the driver).
+The service writes as the second row does: only a shard's driver thread writes its response
+(``transformer/server/output.py``), which keeps ordering, back-pressure and aborts with one writer;
+docs/performance.md ("Who writes the output") gives the decision and its measurements.
 Prints images/s per round and medians with the fraction of the compute limit.
 """
 
