@@ -3,9 +3,9 @@
 Any input must either give samples whose keyed members follow webdataset's key rule, or raise
 ``ShardError``; anything else is a crash, ``-timeout`` catches hangs and ``-rss_limit_mb``
 unbounded memory. The CI runs the hypothesis version of this (tests/reliability/test_fuzz.py);
-this is the long run. Example (what the README (Reliability and security) reports)::
+this is the long run, as docs/reliability.md reports it::
 
-    python -m bench.fuzz_tar -max_total_time=600 -timeout=10 -rss_limit_mb=2048
+    python -m bench.fuzz_tar -max_total_time=300 -timeout=10 -rss_limit_mb=2048
 
 libFuzzer prints ``Done <N> runs in <T> second(s)`` at the end: N is the number of executions.
 Without a corpus folder on the command line, a temporary one is seeded with a few valid shards.

@@ -13,8 +13,9 @@ client (``services.CurlSink``), with no tar and no server, in rounds taking turn
   is written (a window of ``--window``, one reader wake-up per sample);
 * ``worker sends, refill in batches``: the same, the reader woken once ``--batch`` slots are free.
 
-The service's driver does what the second row does (direct send, transformer/server/output.py): the
-worker-sends rows gain less than the run-to-run spread (docs/performance.md), so the simpler design stays.
+The service writes as the second row does: only a shard's driver thread writes its response
+(``transformer/server/output.py``); the worker-sends rows gain less than the run-to-run spread, so the
+simpler design stays (docs/performance.md, "Who writes the output").
 Prints images/s per round and medians with the fraction of the compute limit.
 """
 

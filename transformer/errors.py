@@ -2,7 +2,7 @@
 
 Each error names what a user needs to act on it: the shard, the sample key, the member and the
 reason. ``status`` is the HTTP status the server answers with; AIS surfaces it to the caller as
-``ETL error: <message>`` (docs/ais-contract.md).
+``ETL error: <message>`` (docs/contract.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The service never uses a member name as a filesystem path (it reads one tar stream and writes
 another), so names with ``..``, absolute paths or non-UTF-8 bytes are carried over exactly, with
 only the image's extension changed to ``.npy``. A reader that extracts to disk must sanitize them
-itself (``tarfile``'s ``filter="data"`` does); that is stated in the README (Reliability and security).
+itself (``tarfile``'s ``filter="data"`` does); that is stated in docs/reliability.md.
 """
 
 from __future__ import annotations

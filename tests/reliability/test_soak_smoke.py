@@ -1,7 +1,7 @@
 """A 10-second smoke of the soak script (bench/soak.py): 16 concurrent shards, mixed good and corrupt.
 
 The full run (``python -m bench.soak --duration 600``) is not part of CI; its figures are in
-the README (Reliability and security). Here every answer must still be right, nothing may be lost and no thread or
+docs/reliability.md. Here every answer must still be right, nothing may be lost and no thread or
 fd may leak; the /health bound is loosened to 1 s because CI machines are shared (the kubelet's
 readiness timeout is 5 s).
 """

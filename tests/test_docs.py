@@ -1,0 +1,141 @@
+"""The README and docs/ stay short enough to read and point only at things that exist.
+
+Checked: the README's length; every relative link in README.md and docs/*.md (the file, and the heading
+its #anchor names); every inline-code repo path there (`docs/...`, `bench/...`, `transformer/...`,
+`tests/...`, `k8s/...`, `examples/...`); every docs/ path named in the sources (Python under
+transformer/, bench/, tests/ and examples/, and the Dockerfile, Makefile, pyproject.toml, k8s/ and
+scripts/).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+MAX_README_LINES = 500
+SOURCE_FOLDERS = ("transformer", "bench", "tests", "examples")
+BUILD_FILES = ("Dockerfile", "Makefile", "pyproject.toml")
+REPO_PATH = re.compile(r"(?:docs|bench|transformer|tests|k8s|examples)/\S*")
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+CODE_SPAN = re.compile(r"(`+)(.+?)\1")
+FENCE = re.compile(r"^ {0,3}(```|~~~).*?^ {0,3}\1[^\n]*$", re.M | re.S)
+HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
+DOCS_IN_SOURCE = re.compile(r"(?<![\w/.%-])docs/[\w.-]+(?:/[\w.-]+)*")
+
+# Named in the documents before the file exists in this tree, or still named by a file that another
+# change rewrites. Each entry goes as soon as it no longer applies: test_allowances_still_apply says so.
+NOT_YET_IN_TREE = {"transformer/server/output.py"}
+KNOWN_STALE_REFERENCES = {("transformer/server/app.py", "docs/ais-contract.md")}
+
+
+def documents() -> list[Path]:
+    return [README, *sorted((REPO / "docs").glob("*.md"))]
+
+
+def prose(text: str) -> str:
+    """The text without fenced code blocks (commands and sample output, not references)."""
+    return FENCE.sub("", text)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "").strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    return {slug(h) for h in HEADING.findall(prose(path.read_text()))}
+
+
+def exists(relative: str) -> bool:
+    if relative.rstrip("/") in NOT_YET_IN_TREE:
+        return True
+    if "*" in relative or "?" in relative:
+        return any(REPO.glob(relative))
+    return (REPO / relative).exists()
+
+
+def broken_links(path: Path, text: str | None = None) -> list[str]:
+    """The relative links of `path` (or of `text`, read as if it were that file) that lead nowhere."""
+    broken = []
+    for target in LINK.findall(prose(path.read_text() if text is None else text)):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+            continue
+        file, _, anchor = target.partition("#")
+        resolved = (path.parent / file).resolve() if file else path
+        if not resolved.is_relative_to(REPO) or not (
+                resolved.exists() or str(resolved.relative_to(REPO)) in NOT_YET_IN_TREE):
+            broken.append(f"{target}: no such file")
+        elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+            broken.append(f"{target}: no heading #{anchor} in {resolved.relative_to(REPO)}")
+    return broken
+
+
+def broken_code_paths(text: str) -> list[str]:
+    broken = []
+    for _, span in CODE_SPAN.findall(prose(text)):
+        span = span.strip()
+        if REPO_PATH.fullmatch(span) and not exists(span.partition("#")[0]):
+            broken.append(span)
+    return broken
+
+
+def source_files() -> list[Path]:
+    files = [f for folder in SOURCE_FOLDERS for f in (REPO / folder).rglob("*.py")]
+    files += [*(REPO / "k8s").rglob("*.yaml"), *(REPO / "scripts").glob("*"), *(REPO / n for n in BUILD_FILES)]
+    return sorted(f for f in files if f != Path(__file__).resolve() and "__pycache__" not in f.parts)
+
+
+def docs_named_in(path: Path) -> set[str]:
+    return {m.rstrip(".") for m in DOCS_IN_SOURCE.findall(path.read_text(errors="replace"))}
+
+
+def test_the_readme_stays_under_its_length_limit() -> None:
+    lines = len(README.read_text().splitlines())
+    assert lines <= MAX_README_LINES, f"README.md has {lines} lines (limit {MAX_README_LINES}): move detail to docs/"
+
+
+@pytest.mark.parametrize("path", documents(), ids=lambda p: str(p.relative_to(REPO)))
+def test_every_relative_link_reaches_a_file_and_heading(path: Path) -> None:
+    assert broken_links(path) == []
+
+
+@pytest.mark.parametrize("path", documents(), ids=lambda p: str(p.relative_to(REPO)))
+def test_every_repo_path_in_inline_code_exists(path: Path) -> None:
+    assert broken_code_paths(path.read_text()) == []
+
+
+def test_every_docs_path_named_in_the_sources_exists() -> None:
+    missing = sorted((str(f.relative_to(REPO)), name) for f in source_files() for name in docs_named_in(f)
+                     if not (REPO / name).exists())
+    assert [m for m in missing if m not in KNOWN_STALE_REFERENCES] == []
+
+
+def test_allowances_still_apply() -> None:
+    present = sorted(p for p in NOT_YET_IN_TREE if (REPO / p).exists())
+    assert present == [], f"now in the tree: remove {present} from NOT_YET_IN_TREE in tests/test_docs.py"
+    gone = sorted((f, name) for f, name in KNOWN_STALE_REFERENCES
+                  if name not in docs_named_in(REPO / f) or (REPO / name).exists())
+    assert gone == [], f"fixed: remove {gone} from KNOWN_STALE_REFERENCES in tests/test_docs.py"
+
+
+def test_the_checks_catch_what_they_are_for(tmp_path: Path) -> None:
+    """A check that never fails checks nothing: each one, fed a broken reference, reports it."""
+    assert slug("Partial JPEG decoding (`crop_decode`)") == "partial-jpeg-decoding-crop_decode"
+    assert slug("WebSocket (ws://): what AIS does with each reply") == "websocket-ws-what-ais-does-with-each-reply"
+    doc = REPO / "docs" / "contract.md"
+    assert broken_links(doc, "[x](contract.md#no-such-heading) [y](#which-comm-type-to-choose)") == [
+        "contract.md#no-such-heading: no heading #no-such-heading in docs/contract.md"]
+    assert broken_links(doc, "[x](missing.md) [y](reliability.md) [z](https://example.com/x)") == [
+        "missing.md: no such file"]
+    assert broken_links(README, "[x](../outside.md)") == ["../outside.md: no such file"]
+    assert broken_code_paths("`bench/nothing.py` `docs/` `bench/run.py` `tests/test_*.py` `k8s/none/`") == [
+        "bench/nothing.py", "k8s/none/"]
+    assert broken_code_paths("```\n`bench/nothing.py`\n```\n") == []
+    source = tmp_path / "x.py"
+    source.write_text('"""See docs/missing.md and docs/contract.md."""\nURL = f"/docs/dir/a.tar"\n')
+    assert docs_named_in(source) == {"docs/missing.md", "docs/contract.md"}
