@@ -26,10 +26,6 @@ FENCE = re.compile(r"^ {0,3}(```|~~~).*?^ {0,3}\1[^\n]*$", re.M | re.S)
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
 DOCS_IN_SOURCE = re.compile(r"(?<![\w/.%-])docs/[\w.-]+(?:/[\w.-]+)*")
 
-# Named in the documents before the file exists in this tree, or still named by a file that another
-# change rewrites. Each entry goes as soon as it no longer applies: test_allowances_still_apply says so.
-NOT_YET_IN_TREE = {"transformer/server/output.py"}
-KNOWN_STALE_REFERENCES = {("transformer/server/app.py", "docs/ais-contract.md")}
 
 
 def documents() -> list[Path]:
@@ -52,8 +48,6 @@ def anchors(path: Path) -> set[str]:
 
 
 def exists(relative: str) -> bool:
-    if relative.rstrip("/") in NOT_YET_IN_TREE:
-        return True
     if "*" in relative or "?" in relative:
         return any(REPO.glob(relative))
     return (REPO / relative).exists()
@@ -67,8 +61,7 @@ def broken_links(path: Path, text: str | None = None) -> list[str]:
             continue
         file, _, anchor = target.partition("#")
         resolved = (path.parent / file).resolve() if file else path
-        if not resolved.is_relative_to(REPO) or not (
-                resolved.exists() or str(resolved.relative_to(REPO)) in NOT_YET_IN_TREE):
+        if not resolved.is_relative_to(REPO) or not resolved.exists():
             broken.append(f"{target}: no such file")
         elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
             broken.append(f"{target}: no heading #{anchor} in {resolved.relative_to(REPO)}")
@@ -112,15 +105,7 @@ def test_every_repo_path_in_inline_code_exists(path: Path) -> None:
 def test_every_docs_path_named_in_the_sources_exists() -> None:
     missing = sorted((str(f.relative_to(REPO)), name) for f in source_files() for name in docs_named_in(f)
                      if not (REPO / name).exists())
-    assert [m for m in missing if m not in KNOWN_STALE_REFERENCES] == []
-
-
-def test_allowances_still_apply() -> None:
-    present = sorted(p for p in NOT_YET_IN_TREE if (REPO / p).exists())
-    assert present == [], f"now in the tree: remove {present} from NOT_YET_IN_TREE in tests/test_docs.py"
-    gone = sorted((f, name) for f, name in KNOWN_STALE_REFERENCES
-                  if name not in docs_named_in(REPO / f) or (REPO / name).exists())
-    assert gone == [], f"fixed: remove {gone} from KNOWN_STALE_REFERENCES in tests/test_docs.py"
+    assert missing == []
 
 
 def test_the_checks_catch_what_they_are_for(tmp_path: Path) -> None:
