@@ -11,6 +11,7 @@ import threading
 
 import pytest
 
+from transformer.engine import Write
 from transformer.errors import Cancelled
 from transformer.server import output as direct
 from transformer.server import protocols
@@ -151,6 +152,56 @@ def test_a_peer_that_went_away_is_a_cancellation() -> None:
     with pytest.raises(Cancelled, match="went away"):
         sender.send(os.urandom(1 << 20), never, lambda: False)
     sender.close()
+
+
+def test_try_send_never_waits_and_the_next_send_finishes_its_frame_first() -> None:
+    # A transform thread writes with try_send (Output.try_write): on a full socket it keeps the rest of the
+    # frame and says FULL; the driver's next send writes that rest before anything else.
+    ours, peer = socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sender = direct.DirectSender(ImmediateLoop(), FakeTransport(ours))
+    small, big, after, tail = os.urandom(100), os.urandom(4 << 20), os.urandom(200_000), b"tail"
+    assert sender.try_send(small) is Write.OK  # held, as send holds it
+    assert sender.try_send(big) is Write.FULL  # nobody reads yet: part of the frame is in the socket
+    assert sender.try_send(b"more" * 100_000) is Write.REFUSED  # not taken while a frame is unfinished
+    received = bytearray()
+    reader = threading.Thread(target=read_all, args=(peer, received))
+    reader.start()
+    assert sender.send(after, never, lambda: False)
+    assert sender.send(tail, never, lambda: False)  # held
+    assert sender.flush(never, lambda: False)
+    sender.close()
+    ours.close()
+    reader.join(10)
+    body, sizes = unframed(bytes(received))
+    assert body == small + big + after + tail
+    assert sizes == [100 + len(big), len(after), len(tail)]
+
+
+def test_try_send_of_a_gone_peer_is_a_cancellation() -> None:
+    ours, peer = socket.socketpair()
+    peer.close()
+    sender = direct.DirectSender(ImmediateLoop(), FakeTransport(ours))
+    with pytest.raises(Cancelled, match="went away"):
+        sender.try_send(os.urandom(1 << 20))
+    sender.close()
+
+
+def test_flush_after_try_send_writes_only_the_unfinished_frame() -> None:
+    # Nothing held, only the rest of a frame: flush must not add a frame (an empty one ends the body).
+    ours, peer = socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sender = direct.DirectSender(ImmediateLoop(), FakeTransport(ours))
+    big = os.urandom(2 << 20)
+    assert sender.try_send(big) is Write.FULL
+    received = bytearray()
+    reader = threading.Thread(target=read_all, args=(peer, received))
+    reader.start()
+    assert sender.flush(never, lambda: False)
+    sender.close()
+    ours.close()
+    reader.join(10)
+    assert bytes(received) == framed([big])
 
 
 def test_head_requests_and_foreign_servers_use_the_asgi_path() -> None:

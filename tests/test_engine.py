@@ -263,6 +263,11 @@ def test_skip_writes_the_rest_of_the_shard_byte_for_byte(run_shard: RunShard, ma
             [(n, d) for n, d in samples if n.split(".")[0] in keys]  # the same crops: per-sample seeds
         assert report.samples_in == len(keys)  # the skipped samples are not counted as read
         tar_members(rest)  # its own end marker, counting what it holds
+    relayed = b"".join(bytes(c) for c in transform_shard(io.BytesIO(data), make_options(seed=5, skip=3), pool,
+                                                          shard="s", object_name="s", window=4,
+                                                          writer=lambda chunk: engine.Write.REFUSED))
+    direct, _ = run_shard(data, make_options(seed=5, skip=3), shard="s")
+    assert relayed == direct  # the relayed path skips the same way
 
 
 def test_skip_counts_input_samples_not_output_ones(run_shard: RunShard, make_options: MakeOptions) -> None:
@@ -317,11 +322,11 @@ def test_max_inflight_bounds_two_concurrent_shards(monkeypatch: pytest.MonkeyPat
     class CountingTask(engine.Task):  # submitted and not yet finished: what holds a slot
         __slots__ = ()
 
-        def __init__(self, fn, args):
+        def __init__(self, fn, args, on_done=None):
             with lock:
                 outstanding["now"] += 1
                 outstanding["max"] = max(outstanding["max"], outstanding["now"])
-            super().__init__(fn, args)
+            super().__init__(fn, args, on_done)
 
         def run(self) -> None:
             super().run()
@@ -499,3 +504,219 @@ def test_pool_shutdown_skips_queued_tasks_and_stops_its_threads() -> None:
         with pytest.raises(engine.CancelledError):
             task.result()
     assert not any(t.is_alive() for t in pool._threads)
+
+
+# --- written by the transform threads (engine._Relay, used by direct send) --------------------------
+
+
+class Stream:
+    """One output stream written by a relay's ``writer`` (any thread) and by the driver's yields, in order."""
+
+    def __init__(self, refuse: Callable[[int], engine.Write] = lambda _: engine.Write.OK):
+        self.parts: list[bytes] = []
+        self.threads: set[str] = set()
+        self.lock = threading.Lock()
+        self.writing = 0
+        self.concurrent = False
+        self._refuse, self._calls = refuse, 0
+
+    def writer(self, chunk) -> engine.Write:
+        with self.lock:
+            self.writing += 1
+            self.concurrent |= self.writing > 1
+            self._calls += 1
+            done = self._refuse(self._calls)
+        try:
+            if done is not engine.Write.REFUSED:
+                self.parts.append(bytes(chunk))
+                self.threads.add(threading.current_thread().name)
+            return done
+        finally:
+            with self.lock:
+                self.writing -= 1
+
+    def consume(self, chunks) -> bytes:
+        for chunk in chunks:
+            with self.lock:
+                self.concurrent |= self.writing > 0
+            self.parts.append(bytes(chunk))
+        return b"".join(self.parts)
+
+
+def relayed(pool: TransformPool, data: bytes, options: TransformOptions, stream: Stream, **kwargs) -> bytes:
+    return stream.consume(transform_shard(io.BytesIO(data), options, pool, shard="s", object_name="s", window=6,
+                                          writer=stream.writer, **kwargs))
+
+
+@pytest.mark.parametrize("policy", ["skip", "passthrough"])
+def test_relay_writes_the_same_bytes_as_the_driver(pool: TransformPool, make_options: MakeOptions,
+                                                   monkeypatch: pytest.MonkeyPatch, policy: str) -> None:
+    # Transforms finishing out of order, pass-through samples, bad samples and the error manifest.
+    slow_transforms(monkeypatch, lambda key: random.Random(key).uniform(0, 0.01))
+    members = mixed_members(40, bad={4: b"not a jpeg", 19: b"\xff\xd8 broken"})
+    data = make_tar(members)
+    options = make_options(seed=3, on_error=policy)
+    reference = b"".join(bytes(c) for c in transform_shard(io.BytesIO(data), options, pool, shard="s",
+                                                          object_name="s", window=6))
+    stream = Stream()
+    assert relayed(pool, data, options, stream) == reference
+    assert not stream.concurrent  # one writer at a time, never the driver and a transform thread at once
+    assert any(name.startswith("transform_") for name in stream.threads)  # the transform threads wrote
+
+
+@pytest.mark.parametrize("answer", [engine.Write.FULL, engine.Write.REFUSED])
+def test_relay_hands_over_to_the_driver_and_back(pool: TransformPool, make_options: MakeOptions,
+                                                 monkeypatch: pytest.MonkeyPatch, answer: engine.Write) -> None:
+    # Every 5th write finds the socket full (taken) or is refused (not taken): the driver writes the rest of
+    # that sample and what is ready after it, then the transform threads go on. Nothing lost or doubled.
+    slow_transforms(monkeypatch, lambda key: random.Random(key).uniform(0, 0.01))
+    data = make_tar(mixed_members(40))
+    options = make_options(seed=3)
+    reference = b"".join(bytes(c) for c in transform_shard(io.BytesIO(data), options, pool, shard="s",
+                                                          object_name="s", window=6))
+    stream = Stream(lambda call: answer if call % 5 == 0 else engine.Write.OK)
+    assert relayed(pool, data, options, stream) == reference
+    assert not stream.concurrent
+
+
+def test_relay_raises_a_fail_policy_error_met_by_a_transform_thread(pool: TransformPool,
+                                                                    make_options: MakeOptions) -> None:
+    data = make_tar(mixed_members(30, bad={13: b"not a jpeg"}))
+    stream = Stream()
+    with pytest.raises(SampleError, match="s-0013"):
+        relayed(pool, data, make_options(on_error="fail"), stream)
+    assert not any(b"s-0013" in part for part in stream.parts)  # nothing of the failed sample went out
+    assert all_slots_free(pool, 8)
+
+
+def test_relay_raises_when_the_caller_goes_away_and_stops_writing(pool: TransformPool,
+                                                                  make_options: MakeOptions) -> None:
+    def gone(call: int) -> engine.Write:
+        if call > 6:
+            raise Cancelled("caller went away while receiving")
+        return engine.Write.OK
+
+    stream = Stream(gone)
+    with pytest.raises(Cancelled):
+        relayed(pool, make_tar(mixed_members(60)), make_options(), stream)
+    written = len(stream.parts)
+    time.sleep(0.2)
+    assert len(stream.parts) == written  # no transform thread writes after the shard ended
+    assert all_slots_free(pool, 8)
+
+
+def test_relay_closed_early_lets_no_transform_thread_write_after(pool: TransformPool, make_options: MakeOptions,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    slow_transforms(monkeypatch, 0.005)
+    stream = Stream(lambda call: engine.Write.REFUSED if call == 1 else engine.Write.OK)
+    chunks = transform_shard(io.BytesIO(make_tar(mixed_members(60))), make_options(), pool, shard="s",
+                             object_name="s", window=6, writer=stream.writer)
+    next(chunks)  # the driver holds the first sample (refused), as jobs does before direct send starts
+    chunks.close()
+    written = len(stream.parts)
+    time.sleep(0.2)
+    assert len(stream.parts) == written
+    assert all_slots_free(pool, 8)
+
+
+def test_relay_sends_the_first_output_before_the_window_fills(pool: TransformPool, make_options: MakeOptions) -> None:
+    # Before direct send starts every write is refused: the driver must pass the first sample on as soon
+    # as it is ready, not once `window` samples have arrived (a slow upload would hold the first byte).
+    data = make_tar(mixed_members(30))
+
+    class SlowBody(io.BytesIO):
+        def read(self, size=-1):
+            time.sleep(0.002)  # an upload trickling in: 512 bytes every 2 ms
+            return super().read(min(size, 512) if size and size > 0 else 512)
+
+        readinto = None  # read() only, as an upstream stream without readinto
+
+    body = SlowBody(data)
+    stream = Stream(lambda call: engine.Write.REFUSED)
+    chunks = transform_shard(body, make_options(seed=3), pool, shard="s", object_name="s", window=64,
+                             writer=stream.writer)
+    first = next(chunks)
+    assert body.tell() < len(data) // 2  # the first output did not wait for the rest of the body
+    output = stream.consume([first, *chunks])
+    reference = b"".join(bytes(c) for c in transform_shard(io.BytesIO(data), make_options(seed=3), pool, shard="s",
+                                                          object_name="s", window=6))
+    assert output == reference
+
+
+def test_relay_over_a_real_socket_that_fills(pool: TransformPool, make_options: MakeOptions,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # The service's writer (DirectSender.try_send) on a socket with a 4 KB buffer and a slow reader: the
+    # transform threads keep finding it full and the driver keeps finishing frames. The body must be the
+    # driver path's bytes, in chunked framing.
+    import socket
+
+    from tests.test_direct import FakeTransport, ImmediateLoop, never, unframed
+    from transformer.server.output import DirectSender
+
+    slow_transforms(monkeypatch, lambda key: random.Random(key).uniform(0, 0.005))
+    data = make_tar(mixed_members(40))
+    options = make_options(seed=3)
+    reference = b"".join(bytes(c) for c in transform_shard(io.BytesIO(data), options, pool, shard="s",
+                                                          object_name="s", window=6))
+    ours, peer = socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    received = bytearray()
+
+    def read_slowly() -> None:
+        while piece := peer.recv(8192):
+            received.extend(piece)
+            time.sleep(0.0005)
+
+    reader = threading.Thread(target=read_slowly)
+    reader.start()
+    sender = DirectSender(ImmediateLoop(), FakeTransport(ours))
+    answers: list[engine.Write] = []
+
+    def writer(chunk) -> engine.Write:
+        answers.append(sender.try_send(chunk))
+        return answers[-1]
+
+    for chunk in transform_shard(io.BytesIO(data), options, pool, shard="s", object_name="s", window=6,
+                                 writer=writer):
+        assert sender.send(chunk, never, lambda: False)
+    assert sender.flush(never, lambda: False)
+    sender.close()
+    ours.close()
+    reader.join(30)
+    body, _ = unframed(bytes(received))
+    assert body == reference
+    assert engine.Write.FULL in answers and engine.Write.OK in answers  # both paths were taken
+
+
+def test_relay_close_waits_for_a_write_in_progress_and_none_starts_after() -> None:
+    # jobs closes the engine before it closes the socket: a transform thread still inside writer()
+    # must be done before close() returns, and no thread may start writing afterwards.
+    class Pieces:
+        def pieces(self, sample, task):
+            yield sample
+
+    entered, release, calls = threading.Event(), threading.Event(), []
+
+    def writer(chunk) -> engine.Write:
+        calls.append(chunk)
+        entered.set()
+        release.wait(10)
+        return engine.Write.OK
+
+    relay = engine._Relay(Pieces(), writer)
+    for name in (b"first", b"second", b"third"):
+        relay.add(name, None)  # no task: ready at once
+    writing = threading.Thread(target=relay.pump)
+    writing.start()
+    assert entered.wait(10)
+    closing = threading.Thread(target=relay.close)
+    closing.start()
+    closing.join(0.3)
+    assert closing.is_alive(), "close() returned while a transform thread was still writing"
+    release.set()
+    closing.join(10)
+    writing.join(10)
+    assert not closing.is_alive() and not writing.is_alive()
+    relay.pump()  # a task finishing after the close
+    assert calls == [b"first"]
+    assert relay.unwritten() == 0

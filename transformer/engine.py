@@ -10,6 +10,8 @@ results need no serialization; per-sample RNG draws are made thread-safe in ``sp
 from __future__ import annotations
 
 import _thread
+import enum
+import itertools
 import json
 import logging
 import queue
@@ -61,8 +63,12 @@ class TransformPool:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, fn: Callable, *args, cancel: threading.Event | None = None) -> Task:
-        """Queue ``fn(*args)`` once a slot is free (waiting raises ``Cancelled`` when ``cancel`` is set)."""
+    def submit(self, fn: Callable, *args, cancel: threading.Event | None = None,
+               on_done: Callable[[], None] | None = None) -> Task:
+        """Queue ``fn(*args)`` once a slot is free (waiting raises ``Cancelled`` when ``cancel`` is set).
+
+        ``on_done`` runs in the pool's thread once the task ran or was skipped (``done()`` is true).
+        """
         while True:
             if self._closed:
                 raise RuntimeError("the transform pool is shut down")
@@ -72,7 +78,7 @@ class TransformPool:
             except queue.Empty:
                 if cancel is not None and cancel.is_set():
                     raise Cancelled("cancelled while waiting for a transform slot") from None
-        task = Task(fn, args)
+        task = Task(fn, args, on_done)
         self._tasks.put(task)
         return task
 
@@ -103,14 +109,15 @@ class TransformPool:
 class Task:
     """One sample's work in the pool; what the engine uses of a future."""
 
-    __slots__ = ("_call", "_value", "_error", "_cancelled", "_finished")
+    __slots__ = ("_call", "_value", "_error", "_cancelled", "_finished", "_on_done")
 
-    def __init__(self, fn: Callable, args: tuple):
+    def __init__(self, fn: Callable, args: tuple, on_done: Callable[[], None] | None = None):
         self._call: tuple[Callable, tuple] | None = (fn, args)
         self._value = self._error = None
         self._cancelled = False
         self._finished = _thread.allocate_lock()  # held until the task ran or was skipped
         self._finished.acquire()
+        self._on_done = on_done
 
     def run(self) -> None:
         fn, args = self._call
@@ -123,6 +130,12 @@ class Task:
             except BaseException as exc:  # as a Future: every failure reaches result()
                 self._error = exc
         self._finished.release()
+        on_done, self._on_done = self._on_done, None
+        if on_done is not None:
+            try:
+                on_done()
+            except Exception:  # the callback reports its own failures; the pool thread must survive
+                log.exception("a transform task's completion callback failed")
 
     def done(self) -> bool:
         return not self._finished.locked()
@@ -170,6 +183,14 @@ class ShardReport:
         ).encode()
 
 
+class Write(enum.IntEnum):
+    """What a ``writer`` given to ``transform_shard`` did with a chunk. A writer never waits."""
+
+    OK = 0  # taken (written, or held to go out with the next one): go on
+    FULL = 1  # taken, but it cannot take more without waiting: the driver writes from the next chunk on
+    REFUSED = 2  # not taken (the writer is not ready, or not any more): the driver writes this chunk
+
+
 def transform_shard(
     stream: BinaryIO,
     options: TransformOptions,
@@ -181,12 +202,21 @@ def transform_shard(
     report: ShardReport | None = None,
     cancel: threading.Event | None = None,
     deadline: float | None = None,
+    writer: Callable[[bytes | memoryview], Write] | None = None,
 ) -> Iterator[bytes | memoryview]:
-    """Yield the transformed shard as tar bytes, in input order. Raises on ``fail`` or bad input."""
+    """Yield the transformed shard as tar bytes, in input order. Raises on ``fail`` or bad input.
+
+    With ``writer`` (non-blocking), the transform thread that completes the oldest unwritten sample
+    writes it, and every later one already done, through ``writer``; only what ``writer`` does not
+    take, and everything after it until the driver caught up, is yielded (``_Relay``).
+    """
     read = _ShardRead(options, pool, shard, object_name,
                       report if report is not None else ShardReport(shard, object_name, options.on_error),
                       cancel, deadline)
     emitter = _Emitter(options, shard, read.report)
+    if writer is not None:
+        yield from _relayed(read, stream, window, emitter, writer)
+        return
     pending: deque[tuple[Sample, Task | None]] = deque()
     try:
         for sample, task in read.submitted(stream):
@@ -222,7 +252,8 @@ class _ShardRead:
             raise TransformerError(f"shard '{self.shard}': object timeout exceeded after "
                                    f"{self.report.samples_in} samples")
 
-    def submitted(self, stream: BinaryIO) -> Iterator[tuple[Sample, Task | None]]:
+    def submitted(self, stream: BinaryIO, on_done: Callable[[], None] | None = None
+                  ) -> Iterator[tuple[Sample, Task | None]]:
         """The shard's samples in order, each with its transform task (None: nothing in it to transform).
 
         An input that is itself the output of this ETL (a pipeline stage before us, an ETL'd copy) ends
@@ -245,12 +276,15 @@ class _ShardRead:
             task = None
             if needs_transform(sample, options):
                 task = self.pool.submit(transform_sample, sample, options, self.shard, self.object_name,
-                                        cancel=self.cancel)
+                                        cancel=self.cancel, on_done=on_done)
             yield sample, task
 
 
 class _Emitter:
-    """A shard's output as tar bytes, sample by sample; small pieces gathered into one chunk."""
+    """A shard's output as tar bytes, sample by sample; small pieces gathered into one chunk.
+
+    Used by one thread at a time (the driver, or the transform thread holding ``_Relay``'s writer role).
+    """
 
     def __init__(self, options: TransformOptions, shard: str, report: ShardReport):
         self.options, self.shard, self.report = options, shard, report
@@ -294,6 +328,146 @@ class _Emitter:
         self.buffer += END_OF_ARCHIVE
         yield bytes(self.buffer)
         self.buffer = bytearray()
+
+
+def _relayed(read: _ShardRead, stream: BinaryIO, window: int, emitter: _Emitter,
+             writer: Callable[[bytes | memoryview], Write]) -> Iterator[bytes | memoryview]:
+    """``transform_shard`` with the output written by the transform threads where they can (``_Relay``)."""
+    relay = _Relay(emitter, writer)
+    # The reader refills the window in batches: woken once half of it is free, not after every sample.
+    low = max(0, window - max(1, window // 2))
+    try:
+        for sample, task in read.submitted(stream, on_done=relay.pump):
+            relay.add(sample, task)
+            relay.pump()  # a pass-through head, or a task that finished before it was added
+            if relay.unwritten() >= window:
+                yield from relay.wait(low, read.check)
+            elif relay.needs_driver():  # output (the first chunk, before the writer is ready) or an error
+                yield from relay.wait(window - 1, read.check)  # now, not once the window is full
+        yield from relay.wait(0, read.check)
+        yield from emitter.finish()
+    finally:
+        relay.close()
+
+
+class _Relay:
+    """Writes a shard's samples in order from whichever thread makes the oldest one ready.
+
+    Why: the driver thread waking once per sample, on cores it shares with the transform threads, to
+    take the GIL and write what another thread just made, costs throughput that a side-by-side run
+    shows (docs/performance.md, "Who writes the output"). Here the transform thread that completes the
+    oldest unwritten sample writes it and every later one already done, holding the writer role (one
+    thread at a time, ``_writing``); the driver only reads and refills the window.
+
+    A transform thread never waits for the caller: ``writer`` is non-blocking, and when it refuses a
+    chunk or can take no more, the role passes to the driver (``_driver``), which yields the rest
+    of that sample and every ready one after it (its consumer may block, fall back to the event loop,
+    or raise), then hands the role back. Errors raised while a transform thread writes (the ``fail``
+    policy, the caller gone) are raised by the driver at its next wait.
+    """
+
+    def __init__(self, emitter: _Emitter, writer: Callable[[bytes | memoryview], Write]):
+        self._emitter, self._writer = emitter, writer
+        self._cond = threading.Condition(threading.Lock())
+        self._pending: deque[tuple[Sample, Task | None]] = deque()
+        self._writing = False  # a transform thread (or the driver through pump) is writing
+        self._driver = False  # the driver writes: a chunk was refused or the writer was full
+        self._leftover: Iterator[bytes | memoryview] | None = None  # the rest of that sample's chunks
+        self._error: BaseException | None = None
+        self._closed = False
+        self._low = 0  # the driver wants to be woken once this few samples are unwritten
+
+    def add(self, sample: Sample, task: Task | None) -> None:
+        with self._cond:
+            self._pending.append((sample, task))
+
+    def unwritten(self) -> int:
+        return len(self._pending)
+
+    def needs_driver(self) -> bool:
+        """Whether the driver must write (a chunk was refused or the writer is full) or raise."""
+        return self._driver or self._error is not None
+
+    def _head_ready(self) -> bool:
+        if not self._pending:
+            return False
+        task = self._pending[0][1]
+        return task is None or task.done()
+
+    def pump(self) -> None:
+        """Write what is ready, if no one else is writing (any thread; a task's ``on_done``)."""
+        with self._cond:
+            if self._writing or self._driver or self._closed or self._error is not None or not self._head_ready():
+                return
+            self._writing = True
+        try:
+            while True:
+                with self._cond:
+                    if self._closed or not self._head_ready():
+                        self._writing = False
+                        if self._closed or len(self._pending) <= self._low:  # else no one waits for this
+                            self._cond.notify_all()
+                        return
+                    sample, task = self._pending.popleft()
+                    if len(self._pending) == self._low:  # the driver may refill the window now
+                        self._cond.notify_all()
+                chunks = self._emitter.pieces(sample, task)
+                for chunk in chunks:
+                    done = self._writer(chunk)
+                    if done is not Write.OK:
+                        rest = chunks if done is Write.FULL else itertools.chain((chunk,), chunks)
+                        with self._cond:
+                            self._leftover, self._driver, self._writing = rest, True, False
+                            self._cond.notify_all()
+                        return
+        except BaseException as exc:
+            with self._cond:
+                self._error, self._writing = exc, False
+                self._cond.notify_all()
+
+    def wait(self, low: int, check: Callable[[], None]) -> Iterator[bytes | memoryview]:
+        """Until at most ``low`` samples are unwritten (0: all written); yields what the driver must write."""
+        while True:
+            check()
+            with self._cond:
+                if self._error is not None:
+                    raise self._error
+                if not self._driver:
+                    if len(self._pending) <= low and (low > 0 or not self._writing):
+                        return
+                    self._low = low
+                    self._cond.wait(0.1)
+                    continue
+                leftover, self._leftover = self._leftover, None
+            yield from self._drive(leftover, low)
+
+    def _drive(self, leftover: Iterator[bytes | memoryview] | None, low: int) -> Iterator[bytes | memoryview]:
+        """The driver holds the writer role: the refused sample's rest, then every ready sample (waiting
+        for the oldest only while the window is over ``low``), then the role goes back."""
+        if leftover is not None:
+            yield from leftover
+        while True:
+            with self._cond:
+                if not self._pending or (not self._head_ready() and len(self._pending) <= low):
+                    self._driver = False
+                    break
+                sample, task = self._pending.popleft()
+            yield from self._emitter.pieces(sample, task)
+        self.pump()  # samples that became ready while the driver wrote
+
+    def close(self) -> None:
+        """No more writing from the transform threads; skip tasks not started; wait for a write in progress."""
+        with self._cond:
+            self._closed = True
+            for _, task in self._pending:
+                if task is not None:
+                    task.cancel()
+            while self._writing:
+                self._cond.wait(0.1)
+            # The window's samples and arrays go now, not when the collector breaks the cycle that a
+            # stored error's traceback makes through this object.
+            self._pending.clear()
+            self._leftover = self._error = None
 
 
 def _outcome(

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import httpx
 
 from ..config import Settings
-from ..engine import ShardReport, TransformPool, transform_shard
+from ..engine import ShardReport, TransformPool, Write, transform_shard
 from ..errors import Cancelled, TransformerError, UpstreamError
 from ..options import TransformOptions
 from .duplex import duplex_put
@@ -77,8 +77,11 @@ class ShardJob:
         outcome = "error"
         try:
             if hop is None:
-                for chunk in self._transformed():
-                    output.write(chunk)
+                # Closed here, before ``fail`` or ``end`` closes the socket's sender: no transform
+                # thread writes once the job is over.
+                with contextlib.closing(self._transformed(relay=output.may_go_direct)) as chunks:
+                    for chunk in chunks:
+                        output.write(chunk)
                 output.end()
             elif isinstance(hop, DirectPutTarget):
                 output.answer(self._direct_put(hop))
@@ -102,8 +105,12 @@ class ShardJob:
             metrics.record(self.report, self.request.comm, outcome, self.bytes_in)
             metrics.inflight.dec()  # last: no shard in flight means every finished one is counted
 
-    def _transformed(self) -> Iterator[bytes | memoryview]:
-        """The transformed shard, opening the source again on every call (a retried direct put)."""
+    def _transformed(self, relay: bool = False) -> Iterator[bytes | memoryview]:
+        """The transformed shard, opening the source again on every call (a retried direct put).
+
+        ``relay``: the transform threads write what they can to the socket themselves (``_write_now``);
+        the rest is yielded.
+        """
         request, settings = self.request, self.runtime.settings
         self.report = ShardReport(request.shard, request.object_name, request.options.on_error)
         with self.source.open() as stream:
@@ -111,7 +118,7 @@ class ShardJob:
             chunks = transform_shard(
                 counted, request.options, self.runtime.pool, shard=request.shard, object_name=request.object_name,
                 window=settings.window, report=self.report, cancel=self.output.cancel,
-                deadline=self.output.deadline,
+                deadline=self.output.deadline, writer=self._write_now if relay else None,
             )
             try:
                 with contextlib.closing(chunks):
@@ -122,6 +129,13 @@ class ShardJob:
                         yield chunk
             finally:
                 self.bytes_in += counted.count
+
+    def _write_now(self, chunk: bytes | memoryview) -> Write:
+        """A transform thread's chunk, written to the socket if it takes it without waiting."""
+        done = self.output.try_write(chunk)
+        if done is not Write.REFUSED:
+            self.report.bytes_out += len(chunk)
+        return done
 
     def _direct_put(self, hop: DirectPutTarget) -> Final:
         try:

@@ -15,12 +15,15 @@ place that writes a response's bytes, and at any moment one thread does:
 * **Direct send.** Through ASGI every chunk crosses to the event loop, which frames it (uvicorn joins
   the chunk-size line, the array and the CRLF into a new bytes object) and writes it holding the GIL,
   while the transform threads wait for it. So once the first chunk went out through uvicorn and its
-  write buffer is empty, the driver thread writes the rest of the body itself (``DirectSender``:
-  ``sendmsg`` on a duplicate of the socket, the GIL released, no copy in Python), and hands the end
-  back to the event loop, so uvicorn's or websockets' state (keep-alive, the final chunk, the frame
-  with FIN, the abort on failure) stays exactly theirs. A frame that stays unwritten for
-  ``STALL_SECONDS`` while the body is still arriving goes to uvicorn's transport and the output
-  returns to the event loop's path (the half-duplex caller again). docs/performance.md measures it.
+  write buffer is empty, the shard's own threads write the rest of the body (``DirectSender``:
+  ``sendmsg`` on a duplicate of the socket, the GIL released, no copy in Python). The transform
+  thread that completes the oldest unwritten sample writes it through ``try_write``, never waiting
+  (the engine's relay gives the writer role to one thread at a time); when the socket is full the
+  role passes to the driver thread, which waits in ``write``. The end goes back to the event loop, so
+  uvicorn's or websockets' state (keep-alive, the final chunk, the frame with FIN, the abort on
+  failure) stays exactly theirs. A frame that stays unwritten for ``STALL_SECONDS`` while the body is
+  still arriving goes to uvicorn's transport and the output returns to the event loop's path (the
+  half-duplex caller again). docs/performance.md measures both choices.
 * **Never over TLS**: only the transport's SSL object may write a TLS connection's socket, so such a
   connection always takes the event loop's path (``encrypted``).
 * **Finish and abort.** ``End`` ends the body; a ``Failure`` after the status line raises
@@ -47,6 +50,7 @@ from dataclasses import dataclass
 from uvicorn.protocols.utils import ClientDisconnected
 from websockets.exceptions import InvalidState
 
+from ..engine import Write
 from ..errors import Cancelled, TransformerError, UpstreamError
 from .protocols import FragmentingWebSocketProtocol, encrypted
 
@@ -141,6 +145,22 @@ class Output:
         if self._awaiting_offer:
             self._awaiting_offer = False
             self._take_socket()
+
+    def try_write(self, chunk: bytes | memoryview) -> Write:
+        """A chunk from a transform thread (the engine's ``writer``): on the socket, never waiting.
+
+        Only while direct send is on: before the first chunk went out through the server, and after
+        leaving direct send, it is refused and the driver writes it with ``write``. The engine lets
+        one thread write at a time, and none once the driver has the role, so the driver alone
+        opens and closes the sender.
+        """
+        sender = self._sender
+        if sender is None:
+            return Write.REFUSED
+        done = sender.try_send(chunk)
+        if done is not Write.REFUSED:
+            self.bytes_written += len(chunk)
+        return done
 
     def end(self) -> None:
         """The whole body was written. A ws reply's held tail goes through the event loop: it is the
@@ -542,7 +562,9 @@ class DirectSender:
         # here and go out in one frame, and one sendmsg, with the next array.
         self._held: list[bytes | memoryview] = []
         self._held_bytes = 0
-        self._unsent: list[bytes | memoryview] = []  # a frame cut short by a cancel (see close)
+        # What try_send could not write (the socket was full), written first by the next send or flush;
+        # or a frame cut short by a cancel (see close).
+        self._unsent: list[bytes | memoryview] = []
 
     def send(self, chunk: bytes | memoryview, cancel: Callable[[], None], stalled: Callable[[], bool]) -> bool:
         """Write one frame. False: the socket stalled and the rest went to the transport (use ASGI now).
@@ -557,6 +579,35 @@ class DirectSender:
             self._held_bytes += len(chunk)
             return True
         return self._write(chunk, cancel, stalled)
+
+    def try_send(self, chunk: bytes | memoryview) -> Write:
+        """``send`` that never waits, for a transform thread (``Output.try_write``): ``Write.OK`` when the
+        frame was written or the chunk held, ``Write.FULL`` when the socket took part of it (the rest
+        goes first with the next ``send`` or ``flush``, which the shard's driver makes)."""
+        if self._unsent and not self._send_nowait(self._unsent):
+            return Write.REFUSED  # a frame is still unfinished: the driver's blocking send finishes it
+        if not chunk:
+            return Write.OK
+        if self._held_bytes + len(chunk) < HOLD and len(self._held) < _HOLD_COUNT:
+            self._held.append(chunk)
+            self._held_bytes += len(chunk)
+            return Write.OK
+        parts = self._frame(chunk)
+        if not self._send_nowait(parts):
+            self._unsent = parts
+            return Write.FULL
+        return Write.OK
+
+    def _send_nowait(self, parts: list[bytes | memoryview]) -> bool:
+        """One non-blocking ``sendmsg``; drops what was sent from ``parts``; whether all of it went."""
+        try:
+            sent = self._sock.sendmsg(parts)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:  # EPIPE, ECONNRESET: the caller went away
+            raise Cancelled(f"caller went away while receiving ({exc.strerror or exc})") from None
+        drop_sent(parts, sent)
+        return not parts
 
     def flush(self, cancel: Callable[[], None], stalled: Callable[[], bool]) -> bool:
         """Write what ``send`` held back (the end of a body); False as for ``send``."""
