@@ -2,7 +2,7 @@
 
 Why ``engine.TransformPool`` is hand-written: the same ordered window over a trivial task, once through
 ``concurrent.futures.ThreadPoolExecutor`` with a ``BoundedSemaphore`` for the in-flight bound and a done
-callback (the pool before this one), once through ``TransformPool``. Prints process CPU per task: what
+callback (the usual way to bound it), once through ``TransformPool``. Prints process CPU per task: what
 the pool itself costs, nearly all of it Python holding the GIL that the transform threads and the
 shard's driver thread share.
 """
@@ -20,7 +20,7 @@ TASKS, WINDOW, WORKERS, INFLIGHT = 20_000, 6, 2, 8
 
 
 class ExecutorPool:
-    """The previous pool: an executor, a semaphore for the in-flight bound, a callback releasing it."""
+    """``ThreadPoolExecutor`` bounded the usual way: a semaphore for the in-flight bound, a callback releasing it."""
 
     def __init__(self, workers: int, max_inflight: int):
         self._executor = ThreadPoolExecutor(max_workers=workers)

@@ -213,7 +213,7 @@ class Settings:
             window=window,
             # Room for the windows of the 8 shards AIS sends at once (8 ws connections per offline job
             # per target): with fewer slots than the shards' windows, each driver waits for a slot per
-            # sample, a wake-up per sample (4 shards in flight: +4% images/s with 48 slots instead of 12).
+            # sample, a wake-up per sample (docs/performance.md gives the figure).
             max_inflight=integer("ETL_MAX_INFLIGHT", 1, default=MAX_INFLIGHT_SHARDS * window),
             obj_timeout=parse_duration(get("ETL_OBJ_TIMEOUT"), "ETL_OBJ_TIMEOUT"),
             max_member_bytes=integer("ETL_MAX_MEMBER_BYTES", 1),

@@ -15,18 +15,18 @@ region in source pixels; ``decode_window`` then decodes no more of the JPEG than
   its pixels are the full decode's, bit for bit, and the same resize follows.
 
 Everything else (no gain expected, or a decoder that refuses) returns None and the caller decodes the
-whole image as before.
+whole image.
 
 The libraries, both with libjpeg-turbo inside their wheels (no system package): simplejpeg for the DCT
 scaling (``min_height``/``min_width`` choose the scale; it cannot decode a region), and NVIDIA's
 nvImageCodec (``nvidia-nvimgcodec-cu13``; its CPU-only libjpeg-turbo 3.1 backend needs neither a GPU
-nor CUDA) for the window, the one maintained binding found with a region decode. Measured side by side
-on one core (``python -m bench.decode``): on ImageNet-size JPEGs the window decode of
-``RandomResizedCrop`` saves about a fifth of decode + resize, where DCT scaling never applies (a crop
-of a 500 x 375 image is under 2 x 224). Left out: PIL's ``draft`` scales like simplejpeg but decodes
-slower; pyvips-binary stops after the window's last row but costs about 1 ms more per call; PyTurboJPEG
-loads a system libturbojpeg (a package the image would need); TorchCodec's decoders take torchvision's
-options, with neither a region nor a DCT scale.
+nor CUDA) for the window, the one maintained binding found with a region decode. On ImageNet-size
+JPEGs the window decode of ``RandomResizedCrop`` is what saves time, since DCT scaling never applies (a
+crop of a 500 x 375 image is under 2 x 224); ``python -m bench.decode`` measures it, docs/performance.md
+gives the figures. Left out: PIL's ``draft`` scales like simplejpeg but decodes slower; pyvips-binary
+stops after the window's last row but costs more per call; PyTurboJPEG loads a system libturbojpeg (a
+package the image would need); TorchCodec's decoders take torchvision's options, with neither a region
+nor a DCT scale.
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ def _import_quietly():
             os.close(fd)
 
 
-# Optional: without it, windows at full scale are decoded whole as before. Imported once, with the
-# module, before the service starts its threads (nothing else writes to stdout or stderr meanwhile).
+# Optional: without it, windows at full scale are decoded whole. Imported once, with the module,
+# before the service starts its threads (nothing else writes to stdout or stderr meanwhile).
 nvimgcodec = _import_quietly()
 
 # Which way each image was decoded (the ``path`` label of /metrics); "full" gives a reason.
@@ -148,7 +148,7 @@ def decode_window(data: bytearray, height: int, width: int, window: Window) -> t
     """The geometric steps' output (uint8, CHW) and the path taken, or the reason to decode it all."""
     if _progressive(data):
         # All scans are read before any row comes out: a window saves nothing measurable and a reduced
-        # scale about 5% (bench.decode's photographs re-encoded progressive), not worth inexact pixels.
+        # scale little (docs/performance.md), not worth inexact pixels.
         return "progressive"
     scale = window.dct_scale()
     if scale > 1:

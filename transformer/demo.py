@@ -236,7 +236,7 @@ def _draw_view(photo: Photograph, width: int, height: int, rng: np.random.Genera
 def _render(photo: Photograph, view: _View, width: int, height: int) -> Image.Image:
     """The view resampled to width x height in one affine step."""
     # Interpolation aliases when shrinking by more than ~1.5x: average whole pixel blocks first, so
-    # the affine step only ever scales by 0.67-1.5 and bilinear is enough (4x faster than bicubic).
+    # the affine step only ever scales by 0.67-1.5 and bilinear is enough (and cheaper than bicubic).
     factor = max(1, round(view.width / width))
     matrix = _affine(view, width, height, factor)
     return _photo(photo, factor).transform((width, height), Image.Transform.AFFINE, matrix,
@@ -257,8 +257,8 @@ def _affine(view: _View, width: int, height: int, factor: int) -> tuple[float, .
 def _develop(image: Image.Image, rng: np.random.Generator) -> Image.Image:
     """Colour jitter, sensor noise, sharpening: what a camera does between the lens and the JPEG.
 
-    Per-pixel work is done with PIL's C loops and lookup tables (a float pipeline in numpy cost
-    ~4x more), so 2 x 100 samples take seconds.
+    Per-pixel work is done with PIL's C loops and lookup tables (a float pipeline in numpy costs
+    more), so 2 x 100 samples take seconds.
     """
     channels = len(image.getbands())
     if channels == 3:

@@ -44,9 +44,9 @@ class TransformPool:
     Python for every sample, holding the GIL that the transform threads and the shard's driver thread
     wait for: a ``Future`` with its ``Condition``, a work item, a ``BoundedSemaphore`` and a done
     callback. Here a task is a ``_thread`` lock (released when it ran) and the queue and the in-flight
-    slots are ``queue.SimpleQueue`` (C): ``python -m bench.pool`` measures 16 -> 9 us of CPU per task on
-    this machine, about 1% of an image's CPU. Only what the engine uses of a future is kept:
-    ``done``, ``result`` and ``cancel`` (a task not started yet is skipped).
+    slots are ``queue.SimpleQueue`` (C). ``python -m bench.pool`` measures the two; docs/performance.md
+    gives the figure. Only what the engine uses of a future is kept: ``done``, ``result`` and
+    ``cancel`` (a task not started yet is skipped).
     """
 
     def __init__(self, workers: int, max_inflight: int):

@@ -36,8 +36,8 @@ Image.MAX_IMAGE_PIXELS = None
 
 # torchvision's decoder, called as the op ``torchvision.io.decode_image`` calls (input, mode, apply EXIF
 # orientation). The wrapper adds a DeprecationWarning per call (torchvision 0.29 moves decoding to
-# TorchCodec) and an op lookup by name: Python holding the GIL the other threads wait for, +2-5%
-# images/s in an A/B of the service without it. tests/test_samples.py checks the two agree.
+# TorchCodec) and an op lookup by name: Python holding the GIL the other threads wait for (the A/B is
+# in docs/performance.md). tests/test_samples.py checks the two agree.
 _decode_op = torch.ops.image.decode_image.default
 
 
@@ -211,8 +211,8 @@ def _decode(member: Member, kind: str, options: TransformOptions, shard: str, ke
 def _jpeg_header(data: bytes) -> tuple[int, int, str] | None:
     """(width, height, colorspace) from a JPEG's frame header, or None: not a JPEG, or one libjpeg cannot read.
 
-    libjpeg-turbo through simplejpeg, 1.5 us in C; PIL's probe walks the markers in Python, about
-    25 us per image holding the GIL that the other transform threads and the shard driver wait for.
+    libjpeg-turbo through simplejpeg reads it in C; PIL's probe walks the markers in Python, holding
+    the GIL that the other transform threads and the shard driver wait for, once per image.
     None sends the image to PIL's probe, which words the error.
     """
     if not data.startswith(b"\xff\xd8"):
@@ -280,7 +280,7 @@ def _encode_image(tensor: torch.Tensor, options: TransformOptions, shard: str, k
     channels = image.shape[0]
     if options.layout == "HWC":
         image = image.permute(1, 2, 0)
-    image = image.contiguous()  # contiguous uint8 first, float math after: 2-3x faster than strided
+    image = image.contiguous()  # contiguous uint8 first, float math after: it is slower on a strided view
     if options.dtype == "uint8":
         return image.numpy()
     scale, shift = _affine(options.pipeline.normalize, channels, options.layout)

@@ -318,12 +318,11 @@ _OCTAL = (8,) * 6
 def _plain_file(block: bytes, offset: int) -> tarfile.TarInfo | None:
     """A POSIX ustar header of a regular file, the kind every shard writer emits, read in one step.
 
-    ``TarInfo.fromtarfile`` takes about 13 us per header through a dozen Python calls, a third of the
-    driver thread's CPU per sample; this takes 2.5 us: one regular expression for the numbers, and the
-    checksum as two Adler-32 sums (each half block's byte sum is exact below Adler's modulus). Anything
-    else (GNU or pax headers, base-256 numbers, other member types, a bad or signed checksum) returns
-    None and goes to tarfile, and tests/test_shards.py checks this against ``TarInfo.frombuf`` field by
-    field.
+    ``TarInfo.fromtarfile`` runs a dozen Python calls per header, a large share of the driver thread's
+    CPU per sample; this is one regular expression for the numbers, and the checksum as two Adler-32
+    sums (each half block's byte sum is exact below Adler's modulus). Anything else (GNU or pax
+    headers, base-256 numbers, other member types, a bad or signed checksum) returns None and goes to
+    tarfile, and tests/test_shards.py checks this against ``TarInfo.frombuf`` field by field.
     """
     numbers = _PLAIN_NUMBERS.match(block, 100)
     if numbers is None or len(block) != BLOCK or block[257:265] != _USTAR_MAGIC:
@@ -368,11 +367,11 @@ _USTAR_BLOCK = struct.Struct(_USTAR.format + "12x")
 def _ustar_header(info: tarfile.TarInfo) -> bytes | None:
     """The header ``info.tobuf(PAX_FORMAT)`` writes for a plain regular file, in one step.
 
-    ``tobuf`` takes about 30 us through a dozen Python calls (pax checks, ``stn``/``itn`` per
-    field, checksum), the largest part of the shard driver's CPU per written ``.npy`` member; this
-    takes 4 us. It answers only where tarfile writes a single ustar block (ASCII names that fit,
-    integer fields in octal range, no pax headers); anything else returns None and goes to
-    ``tobuf``. tests/test_shards.py checks the two byte for byte.
+    ``tobuf`` runs a dozen Python calls (pax checks, ``stn``/``itn`` per field, checksum), the
+    largest part of the shard driver's CPU per written ``.npy`` member; this is one ``struct.pack``.
+    It answers only where tarfile writes a single ustar block (ASCII names that fit, integer fields in
+    octal range, no pax headers); anything else returns None and goes to ``tobuf``.
+    tests/test_shards.py checks the two byte for byte.
     """
     if info.type != tarfile.REGTYPE or info.pax_headers or info.linkname:
         return None

@@ -155,12 +155,12 @@ def _direct_step(transform: v2.Transform, params: dict[str, Any], image: Any) ->
     """The presets' geometric steps on a lone uint8 image, as the same torch calls v2 ends in.
 
     Through ``Transform.transform``, a step goes through v2's kernel dispatch and torchvision's resize
-    and crop functions, about 25 us of Python per step that holds the GIL the other transform threads
-    and the shard driver wait for (``py-spy --gil`` showed ``Pipeline.apply`` as 40% of the service's
-    GIL time). Here the crop is the same slice and the resize the same ``interpolate`` call with the
-    same arguments as ``resize_image`` makes for uint8 CPU images: +4-7% images/s in an A/B of the
-    service. Anything else (other steps, masks, several images, float or CUDA tensors, another
-    interpolation, a crop reaching past the edge) returns None and takes v2's own path;
+    and crop functions: Python per step that holds the GIL the other transform threads and the shard
+    driver wait for, a large share of the service's GIL time under ``py-spy --gil``. Here the crop is
+    the same slice and the resize the same ``interpolate`` call with the same arguments as
+    ``resize_image`` makes for uint8 CPU images (docs/performance.md gives the figures). Anything else
+    (other steps, masks, several images, float or CUDA tensors, another interpolation, a crop reaching
+    past the edge) returns None and takes v2's own path;
     ``tests/test_spec.py`` checks the outputs are identical, pixel for pixel, to ``transform.transform``.
     """
     if type(image) is not torch.Tensor or image.dtype != torch.uint8 or image.ndim != 3 or image.device.type != "cpu":
@@ -202,8 +202,8 @@ def resize_uint8(image: torch.Tensor, size: Sequence[int], antialias: bool | Non
                                            antialias=bool(antialias))[0]
 
 
-# Steps whose output canvas is known without running anything (hot path: the probe below costs about
-# 30 us of small torch ops per step, 5-10% of a sample's CPU under GIL contention; bench/ measures it).
+# Steps whose output canvas is known without running anything (hot path: the probe below runs dozens of
+# small torch ops per step under GIL contention; docs/performance.md gives the A/B against probing all).
 # Pixel-value and same-canvas geometric steps keep the input's size; these crops and resizes output
 # their own ``size`` (or torchvision's resize rule). Everything else is probed.
 # tests/test_canvas_fast_path.py checks every entry against the probe.
