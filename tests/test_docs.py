@@ -2,7 +2,7 @@
 
 Checked: the README's length; every relative link in README.md and docs/*.md (the file, and the heading
 its #anchor names); every inline-code repo path there (`docs/...`, `bench/...`, `transformer/...`,
-`tests/...`, `k8s/...`, `examples/...`); every docs/ path named in the sources (Python under
+`tests/...`, `k8s/...`, `examples/...`); every docs/ path and every repo file path named in the sources (Python under
 transformer/, bench/, tests/ and examples/, and the Dockerfile, Makefile, pyproject.toml, k8s/ and
 scripts/).
 """
@@ -24,8 +24,9 @@ LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 CODE_SPAN = re.compile(r"(`+)(.+?)\1")
 FENCE = re.compile(r"^ {0,3}(```|~~~).*?^ {0,3}\1[^\n]*$", re.M | re.S)
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
-DOCS_IN_SOURCE = re.compile(r"(?<![\w/.%-])docs/[\w.-]+(?:/[\w.-]+)*")
-
+# A docs/ path, or a repo file named by its path from the root (tests/..., bench/..., ...).
+DOCS_IN_SOURCE = re.compile(r"(?<![\w/.%-])(?:docs/[\w.-]+(?:/[\w.-]+)*|"
+                            r"(?:tests|bench|transformer|examples)/[\w/.-]+\.(?:py|md))")
 
 
 def documents() -> list[Path]:

@@ -215,6 +215,18 @@ def test_two_stage_pipeline_relays_the_last_stages_bytes(client: httpx.Client, s
     assert_transformed(inputs, response.content)
 
 
+def test_two_stage_pipeline_streams_a_shard_larger_than_both_socket_buffers(client: httpx.Client,
+                                                                          service: Service) -> None:
+    # B answers while it still reads A's output. A hop that sent its whole body before reading B's answer
+    # would fill the buffers both ways and hang until the object timeout (transformer/server/duplex.py).
+    inputs = imagenet_like_members(48)  # 48 float32 arrays, 29 MB each way
+    response = client.put("/src/pipe-large.tar", content=make_tar(inputs), headers={NODE_URL: service.url},
+                          timeout=120)
+    assert response.status_code == 200, response.text[:300]
+    assert len(response.content) > 48 * 3 * 224 * 224 * 4
+    assert_transformed(inputs, response.content)
+
+
 @pytest.mark.parametrize("value", [",http://127.0.0.1:1", "http://127.0.0.1:1,,http://127.0.0.1:2",
                                    "http://127.0.0.1:1, ,http://127.0.0.1:2"])
 def test_malformed_ais_node_url_is_400(client: httpx.Client, value: str) -> None:

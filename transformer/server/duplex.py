@@ -3,10 +3,9 @@
 Written by hand on purpose: httpx/httpcore send the whole request body before reading the response.
 A next stage that streams (as this transformer does) starts answering before it has read all of its
 input; once the buffers in both directions are full, each side waits for the other and the pipeline
-hangs until ``obj_timeout``. Measured: a 100-sample demo shard through two of these pods answered
-504 after 40 s with httpx. Here a sender thread writes the body (chunked framing) while the caller
-reads the response; h11, httpx's own HTTP/1.1 parser, parses the response.
-``tests/test_duplex.py`` pipes a large shard through two real servers.
+hangs until ``obj_timeout`` (docs/reliability.md). Here a sender thread writes the body (chunked
+framing) while the caller reads the response; h11, httpx's own HTTP/1.1 parser, parses the response.
+``tests/contract/test_direct_put.py`` pipes a large shard through two real servers.
 """
 
 from __future__ import annotations
