@@ -439,7 +439,7 @@ async def send_ws_frame(protocol: FragmentingWebSocketProtocol, data: bytes | me
     """
     if deadline is not None and not protocol.writable.is_set():
         await asyncio.wait_for(protocol.writable.wait(), max(0.0, deadline - time.monotonic()))
-    if protocol.disconnected or protocol.close_sent:
+    if protocol.lost or protocol.close_sent:
         raise ClientDisconnected()
     try:
         if first:

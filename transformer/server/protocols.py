@@ -61,6 +61,11 @@ class FragmentingWebSocketProtocol(WebSocketsSansIOProtocol):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._threads_write = False
+        self.lost = False  # the connection is gone (uvicorn's own flag for it is newer than 0.35)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        super().connection_lost(exc)
 
     def threads_write(self, active: bool) -> None:
         """Whether the shard's driver thread writes frames to the socket (direct send; event loop only).
