@@ -102,43 +102,49 @@ def test_ws_replies_written_directly_and_by_the_event_loop_are_identical(service
     assert sum(name.endswith(".npy") for name, _ in read_tar(replies["direct"])) == 24
 
 
-def _replies_read_slowly_while_pinging(port: int, requests: list[bytes]) -> tuple[list[bytes], int, int]:
+def _replies_read_slowly_while_pinging(port: int, requests: list[bytes], tls: ssl.SSLContext | None = None
+                                       ) -> tuple[list[bytes], int, int]:
     """ws requests (control messages, all sent at once as the target pipelines them) from a client that
     reads in small, slow steps and pings all through each reply, on one connection.
 
     Driven with wsproto over a raw socket with a small receive buffer, so the server's socket is full
     most of the time: a pong the server wrote in the middle of a frame would then break the framing.
-    Returns the replies, the pings sent and the pongs received.
+    Returns the replies, the pings sent and the pongs received. ``tls``: over ``wss://`` with this
+    context (one thread reads and writes the TLS connection).
     """
     connection = WSConnection(ConnectionType.CLIENT)
     replies: list[bytes] = []
     reply, pings, pongs, reads = bytearray(), 0, 0, 0
-    with socket.create_connection(("127.0.0.1", port), timeout=REPLY_TIMEOUT) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)
-        sock.sendall(connection.send(WsRequest(host=f"127.0.0.1:{port}", target="/ws")))
-        while len(replies) < len(requests) or pongs < pings:
-            data = sock.recv(16 * 1024)
-            if not data:
-                raise ConnectionError("the server closed the connection")
-            connection.receive_data(data)
-            for event in connection.events():
-                if isinstance(event, AcceptConnection):
-                    for message in requests:
-                        sock.sendall(connection.send(BytesMessage(data=message)))
-                elif isinstance(event, BytesMessage):
-                    reply += event.data
-                    if event.message_finished:
-                        replies.append(bytes(reply))
-                        reply = bytearray()
-                elif isinstance(event, Pong):
-                    pongs += 1
-                else:
-                    raise AssertionError(f"unexpected {event!r}"[:300])
-            reads += 1
-            if len(replies) < len(requests) and reply and reads % 3 == 0:  # all through each reply
-                sock.sendall(connection.send(Ping(payload=b"%d" % pings)))
-                pings += 1
-            time.sleep(0.0005)
+    with socket.create_connection(("127.0.0.1", port), timeout=REPLY_TIMEOUT) as raw:
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)
+        sock = tls.wrap_socket(raw, server_hostname="127.0.0.1") if tls is not None else raw
+        try:
+            sock.sendall(connection.send(WsRequest(host=f"127.0.0.1:{port}", target="/ws")))
+            while len(replies) < len(requests) or pongs < pings:
+                data = sock.recv(16 * 1024)
+                if not data:
+                    raise ConnectionError("the server closed the connection")
+                connection.receive_data(data)
+                for event in connection.events():
+                    if isinstance(event, AcceptConnection):
+                        for message in requests:
+                            sock.sendall(connection.send(BytesMessage(data=message)))
+                    elif isinstance(event, BytesMessage):
+                        reply += event.data
+                        if event.message_finished:
+                            replies.append(bytes(reply))
+                            reply = bytearray()
+                    elif isinstance(event, Pong):
+                        pongs += 1
+                    else:
+                        raise AssertionError(f"unexpected {event!r}"[:300])
+                reads += 1
+                if len(replies) < len(requests) and reply and reads % 3 == 0:  # all through each reply
+                    sock.sendall(connection.send(Ping(payload=b"%d" % pings)))
+                    pings += 1
+                time.sleep(0.0005)
+        finally:
+            sock.close()
     return replies, pings, pongs
 
 
@@ -262,9 +268,11 @@ def test_over_tls_the_output_is_never_written_around_the_tls_layer(service: Serv
         by_fqn = https.put(f"{https_service.url}/train/tls-send.tar?{fqn_query(fqn)}&{query}", content=b"")
         assert by_body.status_code == by_fqn.status_code == 200, by_body.text[:300]
         assert by_body.content == by_fqn.content == reference.content
-        reply = _wss_exchange(https_service.port, verify, control(
-            "tls-send.tar", fqn=fqn, etl_args=json.dumps({"preset": "imagenet-train", "seed": 13})))
-        assert reply == reference.content
+        # One thread reads and writes the TLS connection: a client that does so from two threads at once
+        # (websockets' sync client) can lose the handshake's answer now and then.
+        (reply,), pings, pongs = _replies_read_slowly_while_pinging(https_service.port, [control(
+            "tls-send.tar", fqn=fqn, etl_args=json.dumps({"preset": "imagenet-train", "seed": 13}))], tls=verify)
+        assert reply == reference.content and pongs == pings
         deadline = time.monotonic() + 5
         while (after := paths()).get("loop", 0) - before.get("loop", 0) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -272,29 +280,3 @@ def test_over_tls_the_output_is_never_written_around_the_tls_layer(service: Serv
     assert after.get("direct", 0) == before.get("direct", 0) and after.get("direct_then_loop", 0) == \
         before.get("direct_then_loop", 0), (before, after)
 
-
-def _wss_exchange(port: int, verify: ssl.SSLContext, message: bytes) -> bytes:
-    """One ws request over TLS and its reply, from one thread.
-
-    wsproto over a blocking TLS socket: a client that reads and writes one TLS connection from two
-    threads at once (websockets' sync client) can lose the handshake's answer now and then.
-    """
-    connection = WSConnection(ConnectionType.CLIENT)
-    reply = bytearray()
-    with socket.create_connection(("127.0.0.1", port), timeout=REPLY_TIMEOUT) as raw, \
-            verify.wrap_socket(raw, server_hostname="127.0.0.1") as sock:
-        sock.sendall(connection.send(WsRequest(host=f"127.0.0.1:{port}", target="/ws")))
-        while True:
-            data = sock.recv(256 * 1024)
-            if not data:
-                raise ConnectionError("the server closed the connection")
-            connection.receive_data(data)
-            for event in connection.events():
-                if isinstance(event, AcceptConnection):
-                    sock.sendall(connection.send(BytesMessage(data=message)))
-                elif isinstance(event, BytesMessage):
-                    reply += event.data
-                    if event.message_finished:
-                        return bytes(reply)
-                else:
-                    raise AssertionError(f"unexpected {event!r}"[:300])
