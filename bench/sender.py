@@ -7,15 +7,15 @@ client (``services.CurlSink``), with no tar and no server, in rounds taking turn
 
 * ``compute limit``: ``compute.compute_limit`` (nothing sent);
 * ``main thread sends``: ``compute.http_limit``, every sample submitted up front, the main thread
-  waiting for each result in order and writing it (what the service's driver does, minus reading);
+  waiting for each result in order and writing it (one writer thread waking once per sample);
 * ``worker sends, refill per sample``: the transform thread that completes the oldest unsent sample
   writes it and every later one already done; a reader thread submits the next sample each time one
   is written (a window of ``--window``, one reader wake-up per sample);
 * ``worker sends, refill in batches``: the same, the reader woken once ``--batch`` slots are free.
 
-The service writes as the second row does: only a shard's driver thread writes its response
-(``transformer/server/output.py``); the worker-sends rows gain less than the run-to-run spread, so the
-simpler design stays (docs/performance.md, "Who writes the output").
+With direct send, the service writes as the last row does (the engine's relay writing through
+``transformer/server/output.py``); docs/performance.md ("Who writes the output") measures it side by
+side in the service itself with ``python -m bench.ab``.
 Prints images/s per round and medians with the fraction of the compute limit.
 """
 

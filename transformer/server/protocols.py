@@ -4,7 +4,7 @@
   transport, so the shard's driver thread may write the body's frames itself (direct send).
 * ``FragmentingWebSocketProtocol`` (websockets, sans-I/O): the ASGI scope carries the protocol, so a
   ws reply can leave as a fragmented message (``output.send_ws_frame``), and the protocol holds the
-  pongs it owes while the driver thread writes frames, so none lands inside one.
+  pongs it owes while the shard's threads write frames, so none lands inside one.
 
 Why a fragmented ws message: ASGI sends a WebSocket message whole, and AIS wants one message per
 object, so a 1,000-image float32 shard would be a 600 MB reply held in memory, then copied twice
@@ -68,7 +68,7 @@ class FragmentingWebSocketProtocol(WebSocketsSansIOProtocol):
         super().connection_lost(exc)
 
     def threads_write(self, active: bool) -> None:
-        """Whether the shard's driver thread writes frames to the socket (direct send; event loop only).
+        """Whether the shard's threads write frames to the socket (direct send; event loop only).
 
         Meanwhile a pong this protocol owes stays in websockets' outgoing buffer: written now it could
         land inside a frame being written. It goes out with the next frame sent by the event loop (the
