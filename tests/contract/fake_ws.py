@@ -133,16 +133,19 @@ class Connection:
         return self.closed
 
     def _write_loop(self) -> None:
+        broken = False
         while (item := self._outbox.get()) is not None:
             request, messages = item
             if request is not None:
                 with self._lock:  # before sending: the reader must find it when the reply arrives
                     self._queued.append(request)
+            if broken:
+                continue  # handed to this connection after it ended: queued for good, as on the target
             try:
                 for message in messages:
                     self.ws.send(message)
             except ConnectionClosed:
-                return  # the reader records the end; the request stays queued, as on the target
+                broken = True  # the reader records the end; the request stays queued, as on the target
 
     def _read_loop(self) -> None:
         try:
