@@ -129,6 +129,6 @@ def test_a_failed_reply_ends_with_its_error_frame_even_while_the_peer_does_not_r
         return bytes(transport.written[start:]), timed_out
 
     written, timed_out = asyncio.run(scenario())
-    assert timed_out, "a frame with a deadline waited past it while writing was paused"
+    assert timed_out, "a frame with a deadline did not wait (until its deadline) while writing was paused"
     assert written == (frame(Opcode.BINARY, b"first", False) + pong(b"during")
                        + frame(Opcode.CONT, b'{"message": "failed"}', True) + frame(Opcode.BINARY, b"next", True))
