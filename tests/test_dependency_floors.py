@@ -40,10 +40,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from websockets.sync.client import connect
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: pip's own copy of the same parser
+    from pip._vendor import tomli as tomllib
 
 from tests.contract.harness import Service, base_env, free_port
 from tests.shardgen import imagenet_like_members, make_tar, read_tar

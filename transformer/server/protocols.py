@@ -61,7 +61,7 @@ class FragmentingWebSocketProtocol(WebSocketsSansIOProtocol):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._threads_write = False
-        self.lost = False  # the connection is gone (uvicorn's own flag for it is newer than 0.35)
+        self.lost = False  # the connection is gone: known from asyncio's connection_lost, not uvicorn's state
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
