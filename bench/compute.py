@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -176,8 +177,8 @@ def _jpegs(samples: list[Sample], limit: int) -> list[bytes]:
     return out
 
 
-def _interleaved_ms(functions: dict[str, Callable[[bytes], object]], images: list[bytes], repeats: int) -> dict:
-    """Median CPU ms/image of each function (this thread's CPU time), the functions taking turns.
+def interleaved_ms(functions: dict[str, Callable[[Any], object]], images: list, repeats: int) -> dict[str, float]:
+    """Median CPU ms per call of each function on each of ``images`` (this thread's CPU time), taking turns.
 
     CPU time, not wall time: other jobs on this machine take the cores away at random, which changes
     wall time by multiples but a single thread's CPU time hardly. Taking turns spreads what is left
@@ -266,8 +267,8 @@ def decode_options(samples: list[Sample], images: int = 100, repeats: int = 3) -
 
     pipelines = {name: (lambda d, decode=decode: val_uint8(decode(d))) for name, decode in decoders.items()}
     pipelines[PIL_V1] = pil_val
-    decode_ms = _interleaved_ms(decoders, jpegs, repeats)
-    pipeline_ms = _interleaved_ms(pipelines, jpegs, repeats)
+    decode_ms = interleaved_ms(decoders, jpegs, repeats)
+    pipeline_ms = interleaved_ms(pipelines, jpegs, repeats)
     rows = []
     for name, pipeline in pipelines.items():
         mae, exact = error([pipeline(d) for d in jpegs])

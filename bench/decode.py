@@ -25,7 +25,6 @@ import io
 import json
 import logging
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import data, services
+from . import compute, data, services
 from .stats import median
 
 log = logging.getLogger("bench")
@@ -109,16 +108,7 @@ def decode_costs(jpegs: list[bytes], repeats: int = 3) -> dict[str, float]:
                                     "whole image at 1/8 (about the entropy decoding alone)": floor,
                                     "whole + crop + resize (crop_decode off)": whole_and_resize,
                                     "crop_decode: decode + resize (on)": service}
-    for fn in options.values():
-        fn(jobs[0])
-    runs: dict[str, list[float]] = {name: [] for name in options}
-    for _ in range(repeats):
-        for name, fn in options.items():
-            start = time.thread_time()
-            for job in jobs:
-                fn(job)
-            runs[name].append((time.thread_time() - start) / len(jobs) * 1e3)
-    costs = {name: statistics.median(values) for name, values in runs.items()}
+    costs = compute.interleaved_ms(options, jobs, repeats)
     costs["DCT scale > 1 (share of crops)"] = sum(job[3].dct_scale() > 1 for job in jobs) / len(jobs)
     return costs
 
