@@ -203,14 +203,21 @@ def https_hint(url: str, exc: BaseException) -> str:
     return ""
 
 
-def _short(url: str) -> str:
-    """The URL for logs and error bodies: no query, and not the ETL secret of a direct-put path."""
-    parts = urlsplit(url)
-    path = parts.path
+def no_secret(url: str) -> str:
+    """A URL fit for logs and error bodies: the ETL secret in an AIS target's ETL object path is masked.
+
+    ``<marker><etl name>/<secret>/<uname>``: the secret opens every object of the cluster.
+    """
     marker = "/v1/etl/_object/"
-    if marker in path:  # <marker><etl name>/<secret>/<uname>: the secret opens every object of the cluster
-        head, tail = path.split(marker, 1)
+    if marker in url:
+        head, tail = url.split(marker, 1)
         pieces = tail.split("/", 2)
         if len(pieces) == 3:
-            path = f"{head}{marker}{pieces[0]}/***/{pieces[2]}"
-    return f"{parts.scheme}://{parts.netloc}{path}"
+            return f"{head}{marker}{pieces[0]}/***/{pieces[2]}"
+    return url
+
+
+def _short(url: str) -> str:
+    """The URL for logs and error bodies: no query, and no ETL secret (``no_secret``)."""
+    parts = urlsplit(no_secret(url))
+    return f"{parts.scheme}://{parts.netloc}{parts.path}"

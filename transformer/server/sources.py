@@ -21,7 +21,7 @@ import httpx
 
 from ..errors import Cancelled, RequestError, UpstreamError
 from ..shards import readinto
-from .hops import https_hint
+from .hops import https_hint, no_secret
 
 if TYPE_CHECKING:
     from .jobs import Runtime
@@ -69,12 +69,12 @@ class HttpSource(Source):
                 if r.status_code != 200:
                     r.read()
                     status = 404 if r.status_code == 404 else 502
-                    raise UpstreamError(f"GET {_no_secret(self.url)}: {r.status_code} {r.text[:300]}", status)
+                    raise UpstreamError(f"GET {no_secret(self.url)}: {r.status_code} {r.text[:300]}", status)
                 yield IteratorReader(r.iter_raw())
         except httpx.TimeoutException as exc:
-            raise UpstreamError(f"GET {_no_secret(self.url)}: timed out ({exc.__class__.__name__})", 504) from None
+            raise UpstreamError(f"GET {no_secret(self.url)}: timed out ({exc.__class__.__name__})", 504) from None
         except httpx.HTTPError as exc:
-            raise UpstreamError(f"GET {_no_secret(self.url)}: {exc.__class__.__name__}: {exc}"
+            raise UpstreamError(f"GET {no_secret(self.url)}: {exc.__class__.__name__}: {exc}"
                                 f"{https_hint(self.url, exc)}", 502) from None
 
 
@@ -101,7 +101,7 @@ class ObjectFileSource(FileSource):
                 yield stream
             return
         log.warning("etl_fqn %s has %d of the object's %d bytes (a chunked object); fetching %s over HTTP",
-                    self.path, local, size, _no_secret(self.object_url))
+                    self.path, local, size, no_secret(self.object_url))
         with HttpSource(self.client, self.object_url, self.deadline).open() as stream:
             yield stream
 
@@ -111,12 +111,12 @@ class ObjectFileSource(FileSource):
             response = self.client.head(self.object_url, timeout=httpx.Timeout(min(5.0, remaining)))
         except httpx.HTTPError as exc:
             log.warning("etl_fqn %s: HEAD %s failed (%s); reading the file as is",
-                        self.path, _no_secret(self.object_url), exc.__class__.__name__)
+                        self.path, no_secret(self.object_url), exc.__class__.__name__)
             return None
         length = response.headers.get("content-length", "")
         if response.status_code != 200 or not length.isdigit():
             log.warning("etl_fqn %s: HEAD %s answered %d without a size; reading the file as is",
-                        self.path, _no_secret(self.object_url), response.status_code)
+                        self.path, no_secret(self.object_url), response.status_code)
             return None
         return int(length)
 
@@ -282,17 +282,6 @@ class Counting:
 def shard_too_large(shard: str, size: int, limit: int) -> RequestError:
     return RequestError(f"shard '{shard}': {size} bytes or more, over the limit of {limit} (ETL_MAX_SHARD_BYTES)",
                         status=413)
-
-
-def _no_secret(url: str) -> str:
-    """A URL fit for logs and error bodies: the ETL secret of AIS_TARGET_URL is not repeated."""
-    marker = "/v1/etl/_object/"
-    if marker in url:
-        head, tail = url.split(marker, 1)
-        parts = tail.split("/", 2)
-        if len(parts) == 3:
-            return f"{head}{marker}{parts[0]}/***/{parts[2]}"
-    return url
 
 
 def fqn_source(raw: str, runtime: Runtime, deadline: float, *, shard: str, object_name: str,
