@@ -120,6 +120,13 @@ def test_pod_urls_are_what_an_hpull_redirect_sends() -> None:
     assert bare == "http://127.0.0.1:9000/ais%2F@%23%2Fbck%2Fa.tar"
 
 
+def test_a_relative_mountpath_is_sent_as_an_absolute_path(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (url,) = pod_urls("http://127.0.0.1:9000", "bck", ["a.tar"], mountpath="work/mp")
+    fqn = unquote(parse_qs(urlsplit(url).query)["etl_fqn"][0])
+    assert fqn == ais_fqn(str(tmp_path / "work" / "mp"), "bck", "a.tar") and fqn.startswith("/")
+
+
 @pytest.fixture
 def bucket_with_shards(proxy: FakeProxy) -> str:
     for i in range(5):

@@ -9,6 +9,7 @@ argument with ``str()`` (Python repr, not JSON), so a dict would reach the pod a
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -212,10 +213,13 @@ def pod_urls(
 
     ``GET <pod>/<PathEscape(uname)>?etl_fqn=<PathEscape(fqn)>&etl_args=<json>`` (AIS's
     ext/etl/communicator.go). With ``mountpath`` the pod reads ``<mountpath>/@ais/<bucket>/%ob/<object>``
-    from its own disk; without it, the pod fetches the object from ``AIS_TARGET_URL``. For local
-    runs and tests without an AIS cluster.
+    from its own disk (a relative ``mountpath`` is made absolute here, as AIS only sends absolute
+    paths and the pod refuses others); without it, the pod fetches the object from ``AIS_TARGET_URL``.
+    For local runs and tests without an AIS cluster.
     """
     base = pod_url.rstrip("/")
+    if mountpath is not None:
+        mountpath = os.path.abspath(mountpath)
     encoded = encode_etl_args(etl_args)
     urls = []
     for name in objects:
