@@ -252,7 +252,8 @@ def train(args, urls: EpochUrls, classes: int) -> None:
     done, started = step, time.perf_counter()
     print(f"training {args.arch} ({classes} classes) on {device} for {args.steps} steps")
     while step < args.steps:
-        print(f"epoch {loader.epoch}")
+        epoch, before = loader.epoch, step
+        print(f"epoch {epoch}")
         for images, labels in prefetcher:  # one epoch per pass; EpochUrls give new augmentation per epoch
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 loss = torch.nn.functional.cross_entropy(model(images), labels)
@@ -268,6 +269,8 @@ def train(args, urls: EpochUrls, classes: int) -> None:
                 save(args.checkpoint, model, optimizer, step, prefetcher)
             if step == args.steps:
                 break
+        if step == before:  # every shard failed (logged above): another pass would fail the same way
+            raise SystemExit(f"error: epoch {epoch} gave no batch ({loader.errors.count} loader errors so far)")
 
 
 def save(path: Path, model, optimizer, step: int, prefetcher: CudaPrefetcher) -> None:
