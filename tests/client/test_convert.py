@@ -107,6 +107,22 @@ def test_labels_layout_numbers_text_labels(tmp_path: Path) -> None:
     assert sorted(key for key, _ in report.skipped) == ["missing", "unlabelled"]
 
 
+def test_labels_layout_reads_tab_separated_paths_and_labels_with_spaces(tmp_path: Path) -> None:
+    root = tmp_path / "flat"
+    (root / "my pics").mkdir(parents=True)
+    for name in ("my pics/a b.jpg", "my pics/c,d.jpg"):
+        (root / name).write_bytes(jpeg_bytes(len(name), (20, 20)))
+    labels = tmp_path / "labels.tsv"
+    labels.write_text("my pics/a b.jpg\tgolden retriever\nmy pics/c,d.jpg\t tabby cat \n")
+    report = convert(root, layout="labels", labels_file=labels, output_dir=tmp_path / "out", progress=False)
+    assert report.classes == {"golden retriever": 0, "tabby cat": 1} and not report.skipped
+    samples = read_shard(Path(report.shards[0]).read_bytes())
+    assert {k: int(v["cls"]) for k, v in samples.items()} == {"my pics_a b": 0, "my pics_c,d": 1}
+    labels.write_text("my pics/a b.jpg\t\n")
+    with pytest.raises(ConvertError, match=r"labels.tsv:1: expected '<image path> <label>'"):
+        convert(root, layout="labels", labels_file=labels, output_dir=tmp_path / "out2", progress=False)
+
+
 def test_folders_layout(tmp_path: Path) -> None:
     for cls in ("zebra", "ant"):
         (tmp_path / "data" / cls).mkdir(parents=True)

@@ -3,8 +3,9 @@
 Layouts (``records_*`` functions yield one ``Record`` per sample, complete or not):
 
 * ``labels``: image files anywhere under ``root`` plus a labels file with one ``<relative path>
-  <label>`` line each (whitespace, comma or tab separated; ``#`` comments). Labels that are not all
-  integers are numbered in sorted order (``ConvertReport.classes``).
+  <label>`` line each (whitespace, comma or tab separated; ``#`` comments). A line with a tab is split
+  at its first tab only, so paths and labels with spaces or commas are written tab-separated. Labels
+  that are not all integers are numbered in sorted order (``ConvertReport.classes``).
 * ``folders``: ``root/<class>/<image>`` (torchvision ``ImageFolder``), classes numbered in sorted order.
 * ``pets``: the Oxford-IIIT Pet layout, ``images/<name>.jpg``, ``annotations/list.txt``
   (``<name> <class id 1-37> <species> <breed id>``) and ``annotations/trimaps/<name>.png`` ->
@@ -70,13 +71,15 @@ def records_labels(root: Path, labels_file: Path) -> tuple[Iterator[Record], dic
     """Records of the ``labels`` layout (see the module docstring)."""
     lines = []
     for number, line in enumerate(labels_file.read_text().splitlines(), 1):
+        tabbed = "\t" in line
         line = line.strip()
         if not line or line.startswith("#"):
             continue
-        parts = _SEPARATORS.split(line, maxsplit=1)
-        if len(parts) != 2:
+        parts = line.split("\t", 1) if tabbed else _SEPARATORS.split(line, maxsplit=1)
+        parts = [part.strip() for part in parts]
+        if len(parts) != 2 or not all(parts):
             raise ConvertError(f"{labels_file}:{number}: expected '<image path> <label>', got {line!r}")
-        lines.append((parts[0], parts[1].strip()))
+        lines.append((parts[0], parts[1]))
     classes = _numbering([label for _, label in lines])
     labelled = {path: label for path, label in lines}
 
