@@ -57,9 +57,10 @@ VARIABLES: dict[str, tuple[str, str]] = {
                 "direct put): mutual TLS. Needs AIS_CRT_KEY."),
     "AIS_CRT_KEY": ("", "Private key (PEM file, not encrypted) of AIS_CRT."),
     "AIS_CLIENT_CA": ("", "CA certificate(s) (PEM file or folder) that verify AIS targets' certificates; "
-                      "empty = httpx's default bundle (certifi, or SSL_CERT_FILE / SSL_CERT_DIR)."),
-    "AIS_SKIP_VERIFY_CRT": ("false", "true: do not verify AIS targets' certificates (testing only). When unset, "
-                            "the older name AIS_SKIP_VERIFY is read."),
+                      "empty = httpx's default bundle (certifi, or SSL_CERT_FILE / SSL_CERT_DIR). /download "
+                      "origins are verified with that bundle plus these."),
+    "AIS_SKIP_VERIFY_CRT": ("false", "true: do not verify AIS targets' certificates (testing only; /download "
+                            "origins are always verified). When unset, the older name AIS_SKIP_VERIFY is read."),
 }
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
@@ -272,6 +273,21 @@ class Settings:
             except ssl.SSLError as exc:
                 raise ConfigError("AIS_CRT_KEY", f"'{self.ais_crt_key}' is not the unencrypted PEM private key "
                                   f"of AIS_CRT '{self.ais_crt}' ({exc})") from None
+        return context
+
+
+    def origin_tls(self) -> ssl.SSLContext | bool:
+        """TLS for ``/download`` origins, for httpx's ``verify``: any host on the internet or in the
+        cluster's network, so always verified (``AIS_SKIP_VERIFY_CRT`` is not applied), against the
+        default bundle plus ``AIS_CLIENT_CA``, and never shown the AIS client certificate."""
+        if not self.ais_client_ca:
+            return True
+        import httpx
+
+        self.ais_tls()  # the same checks of AIS_CLIENT_CA, and their messages
+        context = httpx.create_ssl_context(verify=True)
+        ca = self.ais_client_ca
+        context.load_verify_locations(capath=ca) if os.path.isdir(ca) else context.load_verify_locations(cafile=ca)
         return context
 
 

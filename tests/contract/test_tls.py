@@ -4,7 +4,8 @@ A TLS cluster gives the pod an ``https://`` ``AIS_TARGET_URL``, and destination 
 ``Ais-Node-Url`` are https too. Here the fake target is also served over https by a server that
 requires a client certificate signed by a throwaway CA (``tests/tlscerts.py``): the pod's hpull fetch
 and direct put must succeed with ``AIS_CRT`` + ``AIS_CRT_KEY`` and fail with a message that says what
-to check without them.
+to check without them. ``/download`` origins are any host: verified against the default bundle plus
+``AIS_CLIENT_CA``, never with skip-verify, and never shown the AIS client certificate.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import ssl
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlencode
 
 import httpx
 import pytest
@@ -126,3 +128,57 @@ def test_a_certificate_refused_by_tls_is_not_retried(https_target: _Served, targ
     assert time.monotonic() - started < 5
     assert info.value.status == 502 and info.value.transient is False
     assert "CERTIFICATE_VERIFY_FAILED" in info.value.message and "AIS_CLIENT_CA" in info.value.message
+
+
+
+@pytest.fixture(scope="module")
+def https_origin(target: FakeTarget, tls_files: TlsFiles) -> Iterator[_Served]:
+    """The fake's origin on https with a certificate of the throwaway CA, no client certificate asked."""
+    served = _Served(target, ssl_certfile=str(tls_files.server_cert), ssl_keyfile=str(tls_files.server_key))
+    served.start()
+    yield served
+    served.stop()
+
+
+@pytest.fixture(scope="module")
+def skip_verify_service(target: FakeTarget, https_origin: _Served, disk: AisDisk, logs: Path) -> Iterator[Service]:
+    """Its AIS target is the same https server as the origin below, whose CA it is not given."""
+    server = start_transformer("transformer-tls-skip-verify", logs,
+                               https_env(target, https_origin, disk, AIS_SKIP_VERIFY_CRT="true"))
+    yield server
+    server.stop()
+
+
+def download(service: Service, origin: _Served, name: str) -> httpx.Response:
+    query = urlencode({"original_url": f"{origin.base_url}/origin/{name}", "object_to": name})
+    return httpx.post(f"{service.url}/download?{query}", timeout=60)
+
+
+def test_a_download_origin_is_verified_with_the_default_bundle_plus_ais_client_ca(
+        mtls_service: Service, target: FakeTarget, https_origin: _Served) -> None:
+    inputs = imagenet_like_members(2)
+    target.origin["tls/origin.tar"] = make_tar(inputs)
+    response = download(mtls_service, https_origin, "tls/origin.tar")
+    assert response.status_code == 200, response.text
+    assert_transformed(inputs, response.content)
+
+
+def test_skip_verify_applies_to_ais_targets_not_to_download_origins(
+        skip_verify_service: Service, target: FakeTarget, https_origin: _Served) -> None:
+    inputs = imagenet_like_members(1)
+    target.objects[uname("src", "tls/unverified.tar")] = make_tar(inputs)  # hpull from the target: not verified
+    response = httpx.get(f"{skip_verify_service.url}/{escaped_uname('src', 'tls/unverified.tar')}", timeout=60)
+    assert response.status_code == 200, response.text
+    assert_transformed(inputs, response.content)
+    target.origin["tls/unverified-origin.tar"] = image_shard(1)
+    response = download(skip_verify_service, https_origin, "tls/unverified-origin.tar")
+    assert response.status_code == 502 and "CERTIFICATE_VERIFY_FAILED" in response.text, response.text
+    assert "unverified-origin.tar" in response.text
+
+
+def test_a_download_origin_is_never_shown_the_ais_client_certificate(
+        mtls_service: Service, target: FakeTarget, https_target: _Served) -> None:
+    target.origin["tls/wants-a-cert.tar"] = image_shard(1)
+    response = download(mtls_service, https_target, "tls/wants-a-cert.tar")  # asks for a client certificate
+    assert response.status_code == 502, response.text
+    assert target.recorded("GET") == []  # the origin never let the request through: no certificate was sent

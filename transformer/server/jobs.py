@@ -45,7 +45,8 @@ class Runtime:
 
     settings: Settings
     pool: TransformPool
-    client: httpx.Client  # thread-safe; used from driver threads only
+    client: httpx.Client  # to AIS targets (AIS TLS settings); thread-safe; used from driver threads only
+    origin_client: httpx.Client  # to /download origins (Settings.origin_tls)
     metrics: Metrics
 
 

@@ -48,6 +48,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             settings=settings,
             pool=TransformPool(settings.workers, settings.max_inflight),
             client=_http_client(settings),
+            origin_client=_origin_client(settings),
             metrics=Metrics(),
         )
         state["runtime"] = runtime
@@ -58,6 +59,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             runtime.pool.shutdown()
             runtime.client.close()
+            runtime.origin_client.close()
 
     app = FastAPI(title="AIS WebDataset transformer", lifespan=lifespan, docs_url=None, redoc_url=None)
 
@@ -80,7 +82,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if urlsplit(url).scheme not in ("http", "https"):
             return _error(RequestError(f"original_url {url!r} must be an http(s) URL"))
         name = query.get("object_to") or urlsplit(url).path.rsplit("/", 1)[-1]
-        return await _shard_response(request, lambda rt, job_deadline: HttpSource(rt.client, url, job_deadline),
+        return await _shard_response(request, lambda rt, job_deadline: HttpSource(rt.origin_client, url, job_deadline),
                                      shard=name, object_name=name, comm="download", object_path=name)
 
     @app.put("/{path:path}")
@@ -319,3 +321,9 @@ def _http_client(settings: Settings) -> httpx.Client:
     # Idle connections expire before the target's own 6 s idle timeout would close them under us.
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=16, keepalive_expiry=4.0)
     return httpx.Client(verify=verify, limits=limits, follow_redirects=False, timeout=settings.obj_timeout)
+
+
+def _origin_client(settings: Settings) -> httpx.Client:
+    # /download origins are any host (a web server, a cloud bucket's URL): verified against the default
+    # bundle plus AIS_CLIENT_CA, never skip-verify, never the AIS client certificate, redirects followed.
+    return httpx.Client(verify=settings.origin_tls(), follow_redirects=True, timeout=settings.obj_timeout)
