@@ -6,11 +6,12 @@ import functools
 import io
 import tarfile
 import threading
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from http.server import SimpleHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 
+from tests.httpserve import QuietServer
 from tests.shardgen import jpeg_bytes, make_tar, read_tar
 from transformer.cli import main
 
@@ -61,7 +62,7 @@ def test_a_source_shard_needs_raw(shards, capsys) -> None:
 
 def test_a_url_is_read_too(shards, capsys) -> None:
     handler = functools.partial(SimpleHTTPRequestHandler, directory=str(shards["out"].parent))
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = QuietServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{server.server_address[1]}"
     try:

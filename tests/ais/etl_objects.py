@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import quote, unquote
 
 import httpx
+
+from tests.httpserve import QuietServer
 
 PREFIX = "/v1/etl/_object/"
 
@@ -60,7 +62,7 @@ class EtlObjectRelay:
             def do_GET(self) -> None:  # noqa: N802
                 relay._serve(self, "GET")
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = QuietServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self.ais_target_url = f"{self.url}{PREFIX}{etl_name}/{secret}"  # what the pod gets as AIS_TARGET_URL

@@ -29,13 +29,15 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from decimal import Decimal
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
 
 import msgspec
 from braceexpand import braceexpand
+
+from tests.httpserve import QuietServer
 
 NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 DURATION = re.compile(r"^(\d+(\.\d+)?(ms|s|m|h))+$")
@@ -139,7 +141,7 @@ class FakeProxy:
         self.jobs: dict[str, dict[str, Any]] = {}  # offline transform job id -> {kind, err, end_time, aborted}
         self.pod_logs = ""  # what GET /v1/etl/<name>/logs answers for the one target
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server = QuietServer(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     @property

@@ -7,13 +7,14 @@ import tarfile
 import threading
 import time
 from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from tests.httpserve import QuietServer
 from tests.shardgen import sealed
 from transformer.client import ClientError, ErrorCounter, ShardFetchError, make_loader, open_shard
 
@@ -178,7 +179,7 @@ class _Server:
                 self.end_headers()
                 self.wfile.write(body)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = QuietServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 

@@ -177,9 +177,10 @@ def test_a_shard_that_changed_is_an_error_for_the_handler_and_the_stream_goes_on
 
 
 def test_an_etl_that_refuses_skip_is_read_from_the_start(caplog: pytest.LogCaptureFixture) -> None:
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from http.server import BaseHTTPRequestHandler
     from threading import Thread
 
+    from tests.httpserve import QuietServer
     from tests.shardgen import make_tar, sealed
 
     shard = sealed(make_tar([(f"k{i}.cls", b"%d" % i) for i in range(6)]))
@@ -198,7 +199,7 @@ def test_an_etl_that_refuses_skip_is_read_from_the_start(caplog: pytest.LogCaptu
             self.end_headers()
             self.wfile.write(body)
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server = QuietServer(("127.0.0.1", 0), Handler)
     Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/s.tar?etl_args=%7B%22seed%22%3A1%7D"

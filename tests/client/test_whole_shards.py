@@ -13,13 +13,14 @@ import json
 import tarfile
 import threading
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import numpy as np
 import pytest
 import webdataset as wds
 
 from tests.contract.harness import Service
+from tests.httpserve import QuietServer
 from tests.shardgen import make_tar, read_tar
 from transformer.client import (
     ClientError,
@@ -94,7 +95,7 @@ class Served:
                 except ConnectionError:  # a reader that stopped early (an error raised at once)
                     self.close_connection = True
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = QuietServer(("127.0.0.1", 0), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
