@@ -106,3 +106,21 @@ def read_output(data: bytes) -> list[tuple[str, bytes]]:
         names = archive.getnames()
     assert names and names[-1] == END_MARKER_NAME, f"no end marker: the output ends with {names[-1:]}"
     return read_tar(data)
+
+
+def torchvision_decode(data: bytes, rgb: bool = False):  # -> torch.Tensor (torch imported on use)
+    """``torchvision.io.decode_image`` of ``data`` (``rgb``: mode RGB): the tests' reference decoder.
+
+    The wrapper warns on every call that torchvision 0.29 hands decoding to TorchCodec; that warning
+    is silenced here only. The pod calls the op beneath the wrapper and never warns
+    (transformer/samples.py).
+    """
+    import warnings
+
+    import torch
+    from torchvision.io import ImageReadMode, decode_image
+
+    encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torchvision\.io")
+        return decode_image(encoded, mode=ImageReadMode.RGB if rgb else ImageReadMode.UNCHANGED)

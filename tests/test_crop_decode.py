@@ -11,10 +11,9 @@ import pytest
 import torch
 from PIL import Image
 from prometheus_client import generate_latest
-from torchvision.io import decode_image
 from torchvision.transforms import v2
 
-from tests.shardgen import jpeg_bytes, photo, png_bytes, trimap_bytes
+from tests.shardgen import jpeg_bytes, photo, png_bytes, torchvision_decode, trimap_bytes
 from transformer import samples as samples_module
 from transformer.cropdecode import Window, window_of
 from transformer.errors import SampleError
@@ -53,7 +52,7 @@ def val_reference(data: bytes) -> np.ndarray:
     """torchvision's imagenet-val on the fully decoded image, float32 normalized."""
     reference = v2.Compose([v2.Resize(256, antialias=True), v2.CenterCrop(224), v2.ToDtype(torch.float32, scale=True),
                             v2.Normalize(mean=IMAGENET_MEAN, std=IMAGENET_STD)])
-    return reference(decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8))).numpy()
+    return reference(torchvision_decode(data)).numpy()
 
 
 def in_pixel_units(difference: np.ndarray) -> float:

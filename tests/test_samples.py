@@ -14,10 +14,10 @@ import pytest
 import torch
 import webdataset as wds
 from PIL import Image, ImageFile, features
-from torchvision.io import ImageReadMode, decode_image
+from torchvision.io import ImageReadMode
 from torchvision.transforms import v2
 
-from tests.shardgen import jpeg_bytes, photo, png_bytes, trimap_bytes
+from tests.shardgen import jpeg_bytes, photo, png_bytes, torchvision_decode, trimap_bytes
 from transformer import samples as samples_module
 from transformer.config import Settings
 from transformer.errors import SampleError
@@ -198,7 +198,7 @@ def test_imagenet_val_matches_torchvision_reference(
             v2.Normalize(mean=IMAGENET_MEAN, std=IMAGENET_STD),
         ]
     )
-    expected = reference(decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8))).numpy()
+    expected = reference(torchvision_decode(data)).numpy()
 
     out = run(make_sample([("k.jpg", data)]), make_options(preset="imagenet-val", **WHOLE))
     ours = load(out["k.npy"])
@@ -213,7 +213,7 @@ def test_imagenet_val_uint8_is_torchvisions_uint8_exactly(
 ) -> None:
     data = jpeg_bytes(index, size)
     reference = v2.Compose([v2.Resize(256, antialias=True), v2.CenterCrop(224)])
-    expected = reference(decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8))).numpy()
+    expected = reference(torchvision_decode(data)).numpy()
     out = run(make_sample([("k.jpg", data)]), make_options(preset="imagenet-val", dtype="uint8", **WHOLE))
     np.testing.assert_array_equal(load(out["k.npy"]), expected)
 
@@ -502,6 +502,6 @@ def test_the_decode_op_is_torchvisions_decode_image() -> None:
     rgb16 = png_rgb16(exact_image(24).astype(np.uint16) * 257)
     for data in (jpeg_bytes(0, (64, 48)), png_bytes(exact_image(32)), rgb16, cmyk.getvalue(), gray.getvalue()):
         encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        want = decode_image(encoded, mode=ImageReadMode.RGB)
+        want = torchvision_decode(data, rgb=True)
         got = samples_module._decode_op(encoded, ImageReadMode.RGB.value, False)
         assert got.dtype == want.dtype and torch.equal(got, want)

@@ -88,6 +88,8 @@ def mid_shard_with_buffer(state: dict) -> bool:
     return any(w["buffer"] and 0 < w["taken"] < PER_SHARD for w in state["workers"])
 
 
+# Three workers on a two-core machine on purpose: DataLoader's advice to start fewer does not apply here.
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 @pytest.mark.parametrize(("workers", "stops"), [(0, (1, 3)), (1, (3,)), (2, (1, 4)), (3, (2, 5))])
 def test_resumed_run_gives_the_uninterrupted_epoch(served_proxy: FakeProxy, workers: int, stops) -> None:
     urls = seeded_urls(served_proxy)
