@@ -50,6 +50,7 @@ except ModuleNotFoundError:  # Python 3.10: pip's own copy of the same parser
     from pip._vendor import tomli as tomllib
 
 from tests.contract.harness import Service, base_env, free_port
+from tests.httpserve import QuietServer
 from tests.shardgen import imagenet_like_members, make_tar, read_tar
 
 REPO = Path(__file__).resolve().parents[1]
@@ -160,7 +161,7 @@ def floors_site(floors: dict[str, str]) -> tuple[Path, dict[str, str]]:
     return folder / "site", {name: resolved[name] for name in floors}
 
 
-class _Origin(http.server.ThreadingHTTPServer):
+class _Origin(QuietServer):
     """An HTTP server on 127.0.0.1 answering every GET with one shard: the origin of a /download."""
 
     def __init__(self, body: bytes):

@@ -63,7 +63,6 @@ class EtlObjectRelay:
                 relay._serve(self, "GET")
 
         self._server = QuietServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self.ais_target_url = f"{self.url}{PREFIX}{etl_name}/{secret}"  # what the pod gets as AIS_TARGET_URL
         self._thread = threading.Thread(target=self._server.serve_forever, name="etl-object-relay", daemon=True)
