@@ -220,14 +220,24 @@ def _register(client: Client, name: str, settings: EtlSettings, message: dict[st
 
     etl = client.etl(name)
     running = _registered_message(etl)
+    started = False
+    if running is None and _stage(client, name) == "Aborted":
+        # AIS answers GET /v1/etl/<name> with 404 while the ETL is Aborted (stopped, or a pod died):
+        # the proxy asks the targets for the details and they hold none. Start it to read its spec.
+        log.info("ETL %s is stopped; starting it to compare its spec", name)
+        etl.start()
+        started = True
+        running = _registered_message(etl) or {}
     if running is not None:
         differences = _differences(running, message)
         if not differences:
-            if _stage(client, name) == "Aborted":
+            if not started and _stage(client, name) == "Aborted":
                 log.info("ETL %s is registered with this spec but stopped; starting it", name)
                 etl.start()
             return Registration(name=name, etl=etl, created=False)
         if not replace:
+            if started:  # leave it as it was found
+                etl.stop()
             raise EtlSpecMismatch(name, differences)
         log.info("replacing ETL %s (%s)", name, ", ".join(differences))
         try:
@@ -245,7 +255,8 @@ def unregister(client: Client, name: str, *, missing_ok: bool = True) -> bool:
 
     etl = client.etl(validate_name(name))
     with ais_errors(name, "unregistration"):
-        if _registered_message(etl) is None:
+        # an Aborted ETL has no details (404) but is still registered: the stage list has it
+        if _registered_message(etl) is None and not _stage(client, name):
             if missing_ok:
                 return False
             raise EtlNameError(name, "is not a registered ETL")

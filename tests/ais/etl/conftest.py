@@ -1,0 +1,126 @@
+"""The ``ais_etl`` tests: AIS's real ETL path, target -> pod -> target -> reader, with only Kubernetes faked.
+
+One cluster (``tests/ais/etl_cluster.py``: a proxy and two targets in Kubernetes mode, the fake
+Kubernetes that runs each ETL pod as ``wds-transform serve``) serves every test of this package. The
+test process's main thread enters the cluster's network namespace when the first test asks for it
+and leaves it when the package ends; the ``ais_etl`` tests are moved to the end of the run, so a
+process that cannot leave (an unprivileged user namespace) runs nothing else inside it. At the end
+the fixture checks that no aisnode and no pod process is left, and that AIS asked the fake
+Kubernetes for nothing it does not serve. Without the privileges a network namespace needs, these
+tests fail with the reason, never skip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import tarfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.ais.cluster import AisnodeUnavailable
+from tests.ais.etl_cluster import NODES, EtlCluster, NamespaceUnavailable, enter_network_namespace, start_etl_cluster
+from tests.shardgen import imagenet_like_members, make_tar
+from transformer.client import EtlSettings, register, unregister
+
+IMAGE = "ais-wds-transformer:test"  # the fake kubelet runs wds-transform serve for any image
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    etl = [item for item in items if here in Path(str(item.path)).parents]
+    if etl:
+        rest = [item for item in items if here not in Path(str(item.path)).parents]
+        items[:] = rest + etl
+
+
+@pytest.fixture(scope="package")
+def etl_cluster(aisnode: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtlCluster]:
+    try:
+        namespace = enter_network_namespace(list(NODES.values()))
+    except NamespaceUnavailable as exc:
+        pytest.fail(str(exc), pytrace=False)
+    try:
+        try:
+            cluster = start_etl_cluster(aisnode, tmp_path_factory.mktemp("ais-etl"))
+        except AisnodeUnavailable as exc:
+            pytest.fail(str(exc), pytrace=False)
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
+        running = [node.role for node in cluster.nodes() if node.process.poll() is None]
+        pods = [pod.name for pod in cluster.kube.pods.values() if pod.process and pod.process.poll() is None]
+        assert not running and not pods, f"left running: aisnode {running}, pods {pods}"
+        unexpected = cluster.kube.unexpected
+        assert not unexpected, f"AIS made Kubernetes calls the fake does not serve: {unexpected}"
+    finally:
+        with contextlib.suppress(OSError):  # an unprivileged user namespace cannot go back; these tests run last
+            namespace.leave()
+
+
+@pytest.fixture(scope="package")
+def etl_client(etl_cluster: EtlCluster):
+    return etl_cluster.client()
+
+
+def settings(comm_type: str = "hpush", **kwargs) -> EtlSettings:
+    """A small, quick ETL: uint8, one transform thread, seeded, short timeouts."""
+    kwargs.setdefault("dtype", "uint8")
+    kwargs.setdefault("seed", 7)
+    kwargs.setdefault("workers", 1)
+    kwargs.setdefault("init_timeout", "60s")
+    kwargs.setdefault("obj_timeout", "60s")
+    kwargs.setdefault("preset", "imagenet-val")
+    return EtlSettings(image=IMAGE, comm_type=comm_type, **kwargs)
+
+
+@pytest.fixture
+def etl(etl_client, etl_cluster: EtlCluster) -> Iterator[Callable[..., str]]:
+    """``etl(name, comm_type, **settings)`` registers an ETL for this test; it is removed afterwards."""
+    made: list[str] = []
+
+    def make(name: str, comm_type: str = "hpush", **kwargs) -> str:
+        register(etl_client, name, settings(comm_type, **kwargs))
+        made.append(name)
+        return name
+
+    yield make
+    for name in made:
+        unregister(etl_client, name)
+
+
+def shard_bytes(index: int, samples: int = 6) -> bytes:
+    """A WebDataset shard of ``samples`` small JPEG samples with labels and pass-through members."""
+    members = [(f"s{index:03d}-{name}", data) for name, data in imagenet_like_members(samples)]
+    return make_tar(members)
+
+
+def put_shards(client, bucket: str, names: list[str], samples: int = 6, namespace=None) -> dict[str, bytes]:
+    """Create ``bucket`` (if needed) and put one shard per name; returns name -> bytes."""
+    from aistore.sdk.errors import AISError
+
+    handle = client.bucket(bucket, namespace=namespace) if namespace is not None else client.bucket(bucket)
+    with contextlib.suppress(AISError):  # exists already
+        handle.create(exist_ok=True)
+    shards = {}
+    for index, name in enumerate(names):
+        data = shard_bytes(index, samples)
+        handle.object(name).get_writer().put_content(data)
+        shards[name] = data
+    return shards
+
+
+def tar_names(data: bytes) -> list[str]:
+    with tarfile.open(fileobj=io.BytesIO(data)) as archive:
+        return archive.getnames()
+
+
+def owner_of(cluster: EtlCluster, bucket: str, name: str) -> int:
+    """Which target (0 or 1) stores the object, from the files on the two mountpaths."""
+    found = [i for i, mp in enumerate(cluster.mountpaths) if (mp / "@ais" / bucket / "%ob" / name).is_file()]
+    assert len(found) == 1, (bucket, name, found)
+    return found[0]
+

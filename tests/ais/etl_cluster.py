@@ -1,0 +1,325 @@
+"""A real AIStore that runs ETL: one proxy and two targets on two "nodes", in Kubernetes mode, in a private
+network namespace, with only Kubernetes faked (``tests/ais/kube.py``).
+
+AIS 5.0 refuses ETL unless aisnode believes it runs in Kubernetes (``cmn/k8s``: client-go's
+``rest.InClusterConfig`` finds ``KUBERNETES_SERVICE_HOST``/``_PORT`` and a service-account token, and
+``MY_NODE``/``MY_POD`` name the node and the node's pod). So each aisnode gets that environment, and a
+service account (token, ``ca.crt`` of the fake API's throw-away CA, namespace) at the fixed path
+``/var/run/secrets/kubernetes.io/serviceaccount``, mounted on a tmpfs in a mount namespace of its own
+(``unshare --mount``): the host's ``/run`` is never touched.
+
+The network: ``enter_network_namespace`` moves the calling thread (the test process's main thread)
+into a new network namespace (``unshare(CLONE_NEWNET)``), where ``lo`` is brought up and each node
+gets an address of the documentation range 198.51.100.0/24 on ``lo`` (aisnode drops loopback addresses
+in Kubernetes mode, so it needs one more). Every process the thread starts afterwards (aisnode, the
+fake API, the pods, DataLoader workers) and every socket it opens is in that namespace: every packet
+stays inside it, and the host's network is untouched. ``leave`` returns the thread to the namespace it
+came from; the namespace is gone with its last process. This needs CAP_SYS_ADMIN: root, or a user
+namespace entered before the process started any thread (``tests/conftest.py``).
+
+Layout: node-0 (198.51.100.10) runs the proxy, node-1 (.11) and node-2 (.12) a target each; the pods AIS
+creates for a target run on that target's node, so every ETL has two pods and a bucket's objects
+spread over both. ``python -m tests.ais.etl_cluster`` starts one by hand (see ``main``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from tests.tlscerts import make_tls_files
+
+from .cluster import AisnodeUnavailable, Node, _die_with_parent, _node_env, cluster_config, local_config
+from .kube import FakeKubernetes
+
+CLONE_NEWNET = 0x40000000
+NODES = {"node-0": "198.51.100.10", "node-1": "198.51.100.11", "node-2": "198.51.100.12"}
+SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+# The wrapper each aisnode runs in: a mount namespace of its own with the service account on a tmpfs
+# over /run (/var/run is /run here; if not, over /var/run), then aisnode itself (same process).
+_WITH_SERVICE_ACCOUNT = (
+    'set -e; run=$(readlink -f /var/run); mount -t tmpfs -o size=1m,mode=755 ais-k8s-sa "$run"; '
+    f'mkdir -p {SERVICE_ACCOUNT}; cp "$AIS_WDS_SA"/token "$AIS_WDS_SA"/ca.crt "$AIS_WDS_SA"/namespace '
+    f'{SERVICE_ACCOUNT}/; exec "$@"'
+)
+
+
+class NamespaceUnavailable(RuntimeError):
+    """The network or mount namespace could not be made; the message says what is missing."""
+
+
+def _libc():
+    return ctypes.CDLL("libc.so.6", use_errno=True)
+
+
+def _ip(*args: str) -> None:
+    ip = shutil.which("ip") or "/usr/sbin/ip"
+    result = subprocess.run([ip, *args], capture_output=True, text=True, timeout=30)
+    if result.returncode != 0:
+        raise NamespaceUnavailable(f"ip {' '.join(args)} failed: {result.stderr.strip()}")
+
+
+@dataclass
+class NetworkNamespace:
+    original: int  # a file descriptor of the namespace the thread came from
+
+    def leave(self) -> None:
+        if self.original < 0:
+            return
+        if _libc().setns(self.original, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns back to the original network namespace: {os.strerror(err)}")
+        os.close(self.original)
+        self.original = -1
+
+
+def check_prerequisites() -> None:
+    missing = [tool for tool in ("ip", "unshare", "mount") if shutil.which(tool) is None
+               and not Path(f"/usr/sbin/{tool}").exists() and not Path(f"/usr/bin/{tool}").exists()]
+    if missing:
+        raise NamespaceUnavailable(
+            f"the real-ETL cluster needs {', '.join(missing)} (Debian: apt-get install iproute2 util-linux mount)")
+
+
+def enter_network_namespace(addresses: list[str]) -> NetworkNamespace:
+    """Move this thread into a new network namespace with ``lo`` up and ``addresses`` on it."""
+    check_prerequisites()
+    original = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    if _libc().unshare(CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        os.close(original)
+        raise NamespaceUnavailable(
+            f"unshare(CLONE_NEWNET) failed: {os.strerror(err)}. The real-ETL tests need a network namespace of "
+            "their own: run them as root, or where the kernel allows unprivileged user namespaces "
+            "(sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0); "
+            "to leave them out: pytest -m 'not ais_etl'")
+    namespace = NetworkNamespace(original)
+    try:
+        _ip("link", "set", "lo", "up")
+        for address in addresses:
+            _ip("addr", "add", f"{address}/32", "dev", "lo")
+    except BaseException:
+        namespace.leave()
+        raise
+    return namespace
+
+
+@dataclass
+class EtlCluster:
+    """One proxy and two targets in Kubernetes mode, the fake Kubernetes that runs their ETL pods."""
+
+    root: Path
+    kube: FakeKubernetes
+    proxy: Node
+    targets: list[Node]
+    mountpaths: list[Path]
+    kube_port: int
+    _stopped: bool = field(default=False, repr=False)
+
+    @property
+    def url(self) -> str:
+        return self.proxy.url
+
+    def client(self, **kwargs):
+        from aistore.sdk import Client
+
+        kwargs.setdefault("timeout", (5, 300))
+        return Client(self.url, **kwargs)
+
+    def nodes(self) -> list[Node]:
+        return [*self.targets, self.proxy]
+
+    def logs(self) -> str:
+        return "\n".join(node.log_tail() for node in self.nodes())
+
+    def target_logs(self) -> str:
+        """The targets' whole INFO logs (AIS's own account of each ETL)."""
+        return "\n".join((node.folder / "log" / "aistarget.INFO").read_text(errors="replace")
+                         for node in self.targets if (node.folder / "log" / "aistarget.INFO").is_file())
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the targets (they delete their ETL pods), then the proxy; then the fake Kubernetes."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for group in (self.targets, [self.proxy]):
+            for node in group:
+                if node.process.poll() is None:
+                    node.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for node in group:
+                try:
+                    node.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    node.process.kill()
+                    node.process.wait(timeout=10)
+        self.kube.stop()
+
+    def __enter__(self) -> EtlCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _service_account(folder: Path, ca: Path) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "token").write_text(secrets.token_urlsafe(24))
+    shutil.copy(ca, folder / "ca.crt")
+    (folder / "namespace").write_text("default")
+    return folder
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _start_node(binary: Path, role: str, node: str, folder: Path, config: Path, env: dict[str, str],
+                mountpath_root: Path | None = None, public_port: int | None = None) -> Node:
+    """One aisnode on ``node``'s address, inside its own mount namespace with the service account."""
+    host = NODES[node]
+    ports = (public_port or _free_port(host), _free_port(host), _free_port(host))
+    folder.mkdir(parents=True)
+    (folder / "conf").mkdir()
+    (folder / "log").mkdir()
+    local = local_config(folder, ports, mountpath_root)
+    local["host_net"].update(hostname=host, hostname_intra_control=host, hostname_intra_data=host)
+    (folder / "local.json").write_text(json.dumps(local, indent=1))
+    command = [str(binary), f"-config={config}", f"-local_config={folder / 'local.json'}", f"-role={role}"]
+    if role == "proxy":
+        command += ["-ntargets=2", "-skip_startup"]
+    unshare = shutil.which("unshare") or "/usr/bin/unshare"
+    wrapped = [unshare, "--mount", "--propagation", "private", "--", "sh", "-c", _WITH_SERVICE_ACCOUNT, "sh", *command]
+    output = folder / "output.log"
+    with open(output, "wb") as sink:
+        process = subprocess.Popen(wrapped, cwd=folder, env=env, stdin=subprocess.DEVNULL, stdout=sink,
+                                   stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+    return Node(role, folder, f"http://{host}:{ports[0]}", f"http://{host}:{ports[2]}", process, output)
+
+
+def pod_entrypoint() -> list[str]:
+    """The image's ENTRYPOINT + CMD (``wds-transform serve``), as this Python runs it."""
+    return [sys.executable, "-m", "transformer", "serve"]
+
+
+def pod_base_env() -> dict[str, str]:
+    """What a container gets besides its spec's env: the image's environment, not the test process's."""
+    keep = ("PATH", "LANG", "LC_ALL", "HOME", "TMPDIR", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+    env = {k: os.environ[k] for k in keep if k in os.environ}
+    env.update(PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1")
+    return env
+
+
+def start_etl_cluster(binary: Path, root: Path, timeout: float = 120.0) -> EtlCluster:
+    """Start the fake Kubernetes and the three nodes under ``root``; wait until two targets have joined.
+
+    The caller's thread must already be in the cluster's network namespace (``enter_network_namespace``).
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    tls = make_tls_files(root / "kube-tls")
+    kube = FakeKubernetes(root / "kube", dict(NODES), entrypoint=pod_entrypoint(),
+                          commands={"wds-transform": pod_entrypoint()[:-1]}, base_env=pod_base_env())
+    kube.root.mkdir(parents=True)
+    kube_port = kube.start(tls.server_cert, tls.server_key)
+    nodes: list[Node] = []
+    try:
+        account = _service_account(root / "serviceaccount", tls.ca)
+        proxy_port = _free_port(NODES["node-0"])
+        config = root / "cluster.json"
+        config.write_text(json.dumps(cluster_config(f"http://{NODES['node-0']}:{proxy_port}"), indent=1))
+        base = _node_env()
+
+        def env(node: str, pod: str) -> dict[str, str]:
+            return {**base, "KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(kube_port),
+                    "MY_NODE": node, "MY_POD": pod, "K8S_NS": "default", "AIS_WDS_SA": str(account)}
+
+        kube.add_static_pod("ais-proxy-0", "node-0", [])
+        nodes.append(_start_node(binary, "proxy", "node-0", root / "proxy", config, env("node-0", "ais-proxy-0"),
+                                 public_port=proxy_port))
+        mountpaths = []
+        for index in (1, 2):
+            disk = root / f"disk{index}"
+            disk.mkdir()
+            mountpaths.append(disk / "mp1")
+            kube.add_static_pod(f"ais-target-{index}", f"node-{index}", [("ais-data", str(disk))])
+            nodes.append(_start_node(binary, "target", f"node-{index}", root / f"target{index}", config,
+                                     env(f"node-{index}", f"ais-target-{index}"), mountpath_root=disk))
+        cluster = EtlCluster(root, kube, nodes[0], nodes[1:], mountpaths, kube_port)
+    except BaseException:
+        for node in nodes:
+            node.process.kill()
+            node.process.wait()
+        kube.stop()
+        raise
+    try:
+        _wait_ready(cluster, timeout)
+    except BaseException:
+        cluster.stop(timeout=5)
+        raise
+    return cluster
+
+
+def _wait_ready(cluster: EtlCluster, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    last = "no answer yet"
+    with httpx.Client(timeout=2.0) as http:
+        while time.monotonic() < deadline:
+            for node in cluster.nodes():
+                if node.process.poll() is not None:
+                    raise AisnodeUnavailable(f"aisnode {node.role} ({node.url}) exited with {node.process.returncode} "
+                                             f"while starting:\n{cluster.logs()}")
+            try:
+                health = http.get(f"{cluster.url}/v1/health", params={"prr": "true"})
+                if health.status_code == 200:
+                    smap = http.get(f"{cluster.url}/v1/daemon", params={"what": "smap"}).json()
+                    joined = len(smap.get("tmap") or {})
+                    if joined == 2 and all(http.get(f"{t.url}/v1/health").is_success for t in cluster.targets):
+                        return
+                    last = f"targets in the cluster map: {joined}"
+                else:
+                    last = f"primary health: {health.status_code} {health.text[:200]}"
+            except httpx.HTTPError as exc:
+                last = f"{exc.__class__.__name__}: {exc}"
+            time.sleep(0.2)
+    raise AisnodeUnavailable(f"the AIS cluster with ETL in {cluster.root} was not ready within {timeout:.0f} s "
+                             f"({last}):\n{cluster.logs()}")
+
+
+def main() -> int:
+    from .cluster import install_aisnode
+
+    binary = install_aisnode(log=lambda message: print(message, file=sys.stderr))
+    namespace = enter_network_namespace(list(NODES.values()))
+    root = Path(tempfile.mkdtemp(prefix="ais-etl-"))
+    with start_etl_cluster(binary, root) as cluster:
+        print(f"AIS proxy: {cluster.url} (in a network namespace of this process, pid {os.getpid()})\n"
+              f"logs: {root}/{{proxy,target1,target2}}/log, pods: {root}/kube/pods\n"
+              f"ais CLI:  nsenter --net=/proc/{os.getpid()}/ns/net env AIS_ENDPOINT={cluster.url} ais ...\n"
+              f"SDK:      nsenter --net=/proc/{os.getpid()}/ns/net python  ->  "
+              f"aistore.sdk.Client('{cluster.url}')\nCtrl-C stops it.", flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            signal.pause()
+    namespace.leave()
+    shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,663 @@
+"""A fake Kubernetes API and kubelet: just what AIS 5.0's targets call to run an ETL, with pods as processes.
+
+aisnode (``github.com/NVIDIA/aistore`` v1.5.0, built with ``-tags etl``) drives each ETL pod through
+client-go (v0.35). These are the calls it makes, and so everything this server answers; any other
+request gets a ``404`` Status and is recorded in ``FakeKubernetes.unexpected`` (the fixture fails on it):
+
+=================================================================  =============================================
+request                                                            AIS source (module v1.5.0)
+=================================================================  =============================================
+``GET  /api/v1/namespaces/{ns}/pods/{name}``                        ``ext/etl/boot.go`` (the target's own pod,
+                                                                   ``$MY_POD``: its volumes are copied into the
+                                                                   ETL pod; the ETL pod's ``hostIP``),
+                                                                   ``ext/etl/transform.go`` ``checkPodReady``,
+                                                                   ``cmn/k8s/client.go`` ``Health``
+``GET  /api/v1/namespaces/{ns}/pods?fieldSelector=metadata.name=X`` ``cmn/k8s/client.go`` ``CheckExists`` (wait
+                                                                   until a deleted pod is gone)
+``GET  ...pods?fieldSelector=metadata.name=X&watch=true``           ``ext/etl/pod_watcher.go`` (a terminated
+                                                                   container aborts the ETL)
+``POST /api/v1/namespaces/{ns}/services``, ``.../pods``             ``ext/etl/boot.go`` ``createEntity``
+``GET  /api/v1/namespaces/{ns}/services/{name}``                    ``ext/etl/boot.go`` ``_getPort`` (nodePort)
+``GET  /api/v1/namespaces/{ns}/services?fieldSelector=...``         ``cmn/k8s/client.go`` ``CheckExists``
+``DELETE .../services/{name}``, ``.../pods/{name}``                 ``ext/etl/transform.go`` ``CleanupEntities``
+                                                                   (before a start, on stop and delete)
+``GET  /api/v1/namespaces/{ns}/pods/{name}/log``                    ``cmn/k8s/client.go`` ``Logs`` (``ais etl
+                                                                   view-logs``)
+``GET  /apis/metrics.k8s.io/v1beta1/namespaces/{ns}/pods/{name}``   ``cmn/k8s/metrics.go`` (``ais etl metrics``)
+``GET  /apis/metrics.k8s.io/v1beta1/pods``                          ``cmn/k8s/client.go``
+                                                                   ``CheckMetricsAvailability``
+=================================================================  =============================================
+
+Wire format: client-go's typed clients send ``Accept: application/vnd.kubernetes.protobuf,application/json``
+and protobuf request bodies (``k8s\\0`` + ``runtime.Unknown``); this server reads the Pod and Service
+fields AIS writes (field numbers from ``k8s.io/api/core/v1/generated.proto``) and answers JSON, which
+client-go accepts, watch streams included. The API is served over https with a throw-away CA, which
+aisnode trusts through the service-account ``ca.crt`` (``rest.InClusterConfig``).
+
+The kubelet: a pod is scheduled on the node its required node affinity names (AIS sets
+``kubernetes.io/hostname In [$MY_NODE]``), so its ``status.hostIP`` is that node's address; it runs as a
+local process (the image's entry point, ``wds-transform serve``, or the spec's ``command``) with the
+container's environment plus ``ETL_HOST``/``ETL_PORT`` = hostIP and the NodePort of the service that
+selects it (there is no kube-proxy: the process listens on the node port itself), its output is the
+pod's log, and it becomes ``Ready`` once ``GET /health`` on its port answers ``200`` (probed every
+0.2 s, where Kubernetes would use the probe's period, 10 s). When the process exits, the container
+is reported terminated with its exit code, reason (``Completed``, ``Error``, or ``OOMKilled`` after
+``oom_kill``) and termination message: the file the container wrote at its termination-message path
+(here ``$ETL_TERMINATION_LOG``, a file of the pod's own, since every process shares this machine's
+``/dev``) or, under ``terminationMessagePolicy: FallbackToLogsOnError`` (which AIS sets) and a
+failure, the end of its log (80 lines, 2048 bytes at most), as the kubelet does. Pods are not
+restarted. Not modelled: scheduling on resources, image pulls, resource limits, restarts, probes
+other than ``/health``, and the NodePort proxy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+# --- a protobuf reader for the fields AIS writes -------------------------------------------------------
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    shift = result = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+
+
+def wire_fields(data: bytes) -> dict[int, list]:
+    """Protobuf wire format: field number -> values (ints for varints, bytes for length-delimited)."""
+    fields: dict[int, list] = {}
+    pos = 0
+    while pos < len(data):
+        key, pos = _varint(data, pos)
+        number, kind = key >> 3, key & 7
+        if kind == 0:
+            value, pos = _varint(data, pos)
+        elif kind == 2:
+            size, pos = _varint(data, pos)
+            value, pos = data[pos:pos + size], pos + size
+        elif kind == 1:
+            value, pos = data[pos:pos + 8], pos + 8
+        elif kind == 5:
+            value, pos = data[pos:pos + 4], pos + 4
+        else:
+            raise ValueError(f"protobuf wire type {kind} is not supported")
+        fields.setdefault(number, []).append(value)
+    return fields
+
+
+# Schemas: field number -> (json name, kind); kind is "str", "int", "bool", "map" (string -> string),
+# "qmap" (string -> Quantity), "intstr", or a nested schema; a list around it means repeated.
+_QUANTITY = {1: ("string", "str")}
+_META = {1: ("name", "str"), 3: ("namespace", "str"), 11: ("labels", "map"), 12: ("annotations", "map")}
+_ENV = {1: ("name", "str"), 2: ("value", "str")}
+_PORT = {1: ("name", "str"), 3: ("containerPort", "int"), 4: ("protocol", "str")}
+_HTTP_GET = {1: ("path", "str"), 2: ("port", "intstr"), 4: ("scheme", "str")}
+_PROBE = {1: ("handler", {2: ("httpGet", _HTTP_GET)}), 3: ("timeoutSeconds", "int"), 4: ("periodSeconds", "int")}
+_MOUNT = {1: ("name", "str"), 2: ("readOnly", "bool"), 3: ("mountPath", "str")}
+_RESOURCES = {1: ("limits", "qmap"), 2: ("requests", "qmap")}
+_CONTAINER = {
+    1: ("name", "str"), 2: ("image", "str"), 3: ("command", ["str"]), 4: ("args", ["str"]),
+    6: ("ports", [_PORT]), 7: ("env", [_ENV]), 8: ("resources", _RESOURCES), 9: ("volumeMounts", [_MOUNT]),
+    11: ("readinessProbe", _PROBE), 13: ("terminationMessagePath", "str"),
+    20: ("terminationMessagePolicy", "str"), 14: ("imagePullPolicy", "str"),
+}
+_REQUIREMENT = {1: ("key", "str"), 2: ("operator", "str"), 3: ("values", ["str"])}
+_AFFINITY = {1: ("nodeAffinity", {1: ("requiredDuringSchedulingIgnoredDuringExecution", {
+    1: ("nodeSelectorTerms", [{1: ("matchExpressions", [_REQUIREMENT])}])})})}
+_POD_SPEC = {1: ("volumes", [{1: ("name", "str")}]), 2: ("containers", [_CONTAINER]),
+             20: ("initContainers", [_CONTAINER]), 3: ("restartPolicy", "str"), 18: ("affinity", _AFFINITY)}
+_POD = {1: ("metadata", _META), 2: ("spec", _POD_SPEC)}
+_SERVICE_PORT = {1: ("name", "str"), 2: ("protocol", "str"), 3: ("port", "int"), 4: ("targetPort", "intstr"),
+                 5: ("nodePort", "int")}
+_SERVICE = {1: ("metadata", _META), 2: ("spec", {1: ("ports", [_SERVICE_PORT]), 2: ("selector", "map"),
+                                                 4: ("type", "str")})}
+
+
+def _convert(value, kind):
+    if kind == "str":
+        return value.decode()
+    if kind == "int":
+        return value - (1 << 64) if value >= 1 << 63 else value
+    if kind == "bool":
+        return bool(value)
+    if kind == "intstr":
+        parts = wire_fields(value)
+        return parts[3][0].decode() if parts.get(1, [0])[0] == 1 else parts.get(2, [0])[0]
+    if kind in ("map", "qmap"):
+        entry = wire_fields(value)
+        key = entry.get(1, [b""])[0].decode()
+        raw = entry.get(2, [b""])[0]
+        return key, (decode_message(raw, _QUANTITY).get("string", "") if kind == "qmap" else raw.decode())
+    return decode_message(value, kind)
+
+
+def decode_message(data: bytes, schema: dict) -> dict:
+    """A protobuf message as the JSON object Kubernetes would show, for the fields in ``schema``."""
+    out: dict = {}
+    for number, values in wire_fields(data).items():
+        if number not in schema:
+            continue
+        name, kind = schema[number]
+        if isinstance(kind, list):
+            out[name] = [_convert(v, kind[0]) for v in values]
+        elif kind in ("map", "qmap"):
+            out[name] = dict(_convert(v, kind) for v in values)
+        else:
+            out[name] = _convert(values[-1], kind)
+    if "handler" in out:  # Probe embeds ProbeHandler inline in JSON
+        out.update(out.pop("handler"))
+    return out
+
+
+def decode_body(body: bytes, content_type: str, schema: dict) -> dict:
+    """A request body: JSON, or protobuf (``k8s\\0`` + ``runtime.Unknown`` whose ``raw`` is the object)."""
+    if "protobuf" not in content_type:
+        return json.loads(body)
+    if not body.startswith(b"k8s\x00"):
+        raise ValueError("a protobuf body without the k8s magic")
+    unknown = wire_fields(body[4:])
+    return decode_message(unknown.get(2, [b""])[0], schema)
+
+
+# --- objects ---------------------------------------------------------------------------------------------
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def status_body(code: int, reason: str, message: str, kind: str = "", name: str = "") -> dict:
+    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
+            "reason": reason, "details": {"name": name, "kind": kind}, "code": code}
+
+
+@dataclass
+class Pod:
+    """One pod: its object as the API shows it, and, once scheduled, the process that runs it."""
+
+    obj: dict
+    static: bool = False  # the AIS nodes' own pods: shown, never run
+    folder: Path | None = None
+    process: subprocess.Popen | None = None
+    port: int = 0
+    host: str = ""
+    oom: bool = False
+    deleted: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.obj["metadata"]["name"]
+
+    @property
+    def log(self) -> Path | None:
+        return self.folder / "log" if self.folder else None
+
+    @property
+    def termination_log(self) -> Path | None:
+        return self.folder / "termination-log" if self.folder else None
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log and self.log.is_file() else ""
+
+
+def _die_with_parent() -> None:  # between fork and exec: the pod dies with the process that runs the kubelet
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    os.setpgrp()  # its own group, so a kill reaches what it started too
+
+
+@dataclass
+class FakeKubernetes:
+    """The API server (``start``) and the kubelet of every node. ``nodes``: node name -> host IP.
+
+    ``entrypoint`` is the command a container runs when its spec has none (the image's ENTRYPOINT +
+    CMD); ``commands`` maps a spec command's first word to a local program.
+    """
+
+    root: Path
+    nodes: dict[str, str]
+    entrypoint: list[str]
+    commands: dict[str, list[str]] = field(default_factory=dict)
+    base_env: dict[str, str] = field(default_factory=dict)
+    namespace: str = "default"
+    ready_interval: float = 0.2
+    pods: dict[str, Pod] = field(default_factory=dict)
+    services: dict[str, dict] = field(default_factory=dict)
+    unexpected: list[str] = field(default_factory=list)
+    requests: list[str] = field(default_factory=list)
+    _lock: threading.Condition = field(default_factory=threading.Condition)
+    _version: int = 1
+    _server: ThreadingHTTPServer | None = None
+    _closing: bool = False
+    _used_ports: set[int] = field(default_factory=set)
+    _events: list[tuple[str, dict]] = field(default_factory=list)  # every pod change, for the watches
+
+    # -- the API server ---------------------------------------------------------------------------------
+
+    def start(self, cert: Path, key: Path, host: str = "127.0.0.1") -> int:
+        """Serve https on ``host`` (a free port, returned)."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(cert, key)
+        fake = self
+
+        class Handler(_Handler):
+            kube = fake
+
+        self._server = _Server((host, 0), Handler)
+        self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
+        threading.Thread(target=self._server.serve_forever, name="fake-kube-api", daemon=True).start()
+        return self._server.server_address[1]
+
+    def stop(self) -> None:
+        """Kill every pod still running, end the watches, stop serving."""
+        with self._lock:
+            self._closing = True
+            pods = list(self.pods.values())
+            self._lock.notify_all()
+        for pod in pods:
+            self._kill(pod, grace=2.0)
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+    def add_static_pod(self, name: str, node: str, volumes: list[tuple[str, str]]) -> None:
+        """An AIS node's own pod (``$MY_POD``): one container whose mounts the ETL pods copy."""
+        obj = {
+            "kind": "Pod", "apiVersion": "v1",
+            "metadata": {"name": name, "namespace": self.namespace, "labels": {"app": "ais"}},
+            "spec": {"containers": [{"name": "ais-node", "image": "aistore/aisnode:v1.5.0",
+                                     "volumeMounts": [{"name": n, "mountPath": p} for n, p in volumes]}],
+                     "volumes": [{"name": n, "hostPath": {"path": p}} for n, p in volumes], "nodeName": node},
+            "status": {"phase": "Running", "hostIP": self.nodes[node], "podIP": self.nodes[node],
+                       "conditions": [{"type": "Ready", "status": "True"}]},
+        }
+        with self._lock:
+            self._stamp(obj)
+            self.pods[name] = Pod(obj, static=True)
+
+    def etl_pods(self) -> list[Pod]:
+        with self._lock:
+            return [pod for pod in self.pods.values() if not pod.static]
+
+    def pods_of(self, etl: str) -> list[Pod]:
+        """The running ETL pods of ``etl`` (AIS names them ``<etl>-<target id>``)."""
+        return [pod for pod in self.etl_pods() if pod.name.startswith(f"{etl}-")]
+
+    def wait(self, predicate: Callable[[], object], timeout: float, what: str) -> object:
+        deadline = time.monotonic() + timeout
+        while True:
+            value = predicate()
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"fake Kubernetes: {what} not within {timeout:.0f} s")
+            time.sleep(0.05)
+
+    # -- state changes (under the lock) ----------------------------------------------------------------
+
+    def _stamp(self, obj: dict) -> None:
+        self._version += 1
+        meta = obj.setdefault("metadata", {})
+        meta["resourceVersion"] = str(self._version)
+        meta.setdefault("uid", str(uuid.uuid4()))
+        meta.setdefault("creationTimestamp", _now())
+        meta.setdefault("namespace", self.namespace)
+
+    def _changed(self, pod: Pod, kind: str = "MODIFIED") -> None:
+        self._stamp(pod.obj)
+        self._events.append((kind, json.loads(json.dumps(pod.obj))))
+        self._lock.notify_all()
+
+    def _free_port(self, host: str) -> int:
+        while True:
+            with socket.socket() as sock:
+                sock.bind((host, 0))
+                port = sock.getsockname()[1]
+            if port not in self._used_ports:
+                self._used_ports.add(port)
+                return port
+
+    def create_service(self, obj: dict) -> tuple[int, dict]:
+        name = obj.get("metadata", {}).get("name", "")
+        with self._lock:
+            if name in self.services:
+                return 409, status_body(409, "AlreadyExists", f'services "{name}" already exists', "services", name)
+            obj = {"kind": "Service", "apiVersion": "v1", **obj}
+            spec = obj.setdefault("spec", {})
+            host = next(iter(self.nodes.values()))
+            for port in spec.get("ports", []):
+                if spec.get("type") == "NodePort" and not port.get("nodePort"):
+                    port["nodePort"] = self._free_port(host)
+                port.setdefault("protocol", "TCP")
+                port.setdefault("targetPort", port.get("port"))
+            spec["clusterIP"] = "10.96.0.10"
+            self._stamp(obj)
+            self.services[name] = obj
+            return 201, obj
+
+    def create_pod(self, obj: dict) -> tuple[int, dict]:
+        name = obj.get("metadata", {}).get("name", "")
+        with self._lock:
+            if name in self.pods:
+                return 409, status_body(409, "AlreadyExists", f'pods "{name}" already exists', "pods", name)
+            obj = {"kind": "Pod", "apiVersion": "v1", **obj}
+            obj["status"] = {"phase": "Pending", "conditions": [
+                {"type": "PodScheduled", "status": "False"}, {"type": "Ready", "status": "False"}]}
+            pod = Pod(obj)
+            self._stamp(obj)
+            self.pods[name] = pod
+            self._changed(pod, "ADDED")
+        threading.Thread(target=self._kubelet, args=(pod,), name=f"kubelet-{name}", daemon=True).start()
+        return 201, obj
+
+    def delete(self, kind: str, name: str) -> tuple[int, dict]:
+        with self._lock:
+            store = self.pods if kind == "pods" else self.services
+            obj = store.get(name)
+            if obj is None or (kind == "pods" and obj.static):
+                return 404, status_body(404, "NotFound", f'{kind} "{name}" not found', kind, name)
+            del store[name]
+            if kind == "services":
+                self._stamp(obj)
+                return 200, obj
+            obj.deleted = True
+            self._changed(obj, "DELETED")
+        self._kill(obj, grace=0.0)  # AIS deletes with a grace period of 0
+        return 200, obj.obj
+
+    def _kill(self, pod: Pod, grace: float) -> None:
+        process = pod.process
+        if process is None or process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM if grace else signal.SIGKILL)
+        try:
+            process.wait(timeout=grace or 10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+
+    def oom_kill(self, pod: Pod) -> None:
+        """Kill the pod's process as the kernel's OOM killer would (reason ``OOMKilled``, exit 137)."""
+        pod.oom = True
+        os.killpg(pod.process.pid, signal.SIGKILL)
+
+    # -- the kubelet -----------------------------------------------------------------------------------
+
+    def _node_of(self, obj: dict) -> str | None:
+        terms = (obj.get("spec", {}).get("affinity", {}).get("nodeAffinity", {})
+                 .get("requiredDuringSchedulingIgnoredDuringExecution", {}).get("nodeSelectorTerms", []))
+        for term in terms:
+            for req in term.get("matchExpressions", []):
+                if req.get("key") == "kubernetes.io/hostname" and req.get("operator") == "In":
+                    for node in req.get("values", []):
+                        if node in self.nodes:
+                            return node
+        return None if terms else next(iter(self.nodes))
+
+    def _service_port(self, obj: dict) -> int:
+        labels = obj["metadata"].get("labels", {})
+        for service in self.services.values():
+            selector = service["spec"].get("selector") or {}
+            if selector and all(labels.get(k) == v for k, v in selector.items()):
+                return service["spec"]["ports"][0]["nodePort"]
+        return 0
+
+    def _kubelet(self, pod: Pod) -> None:
+        with self._lock:
+            node = self._node_of(pod.obj)
+            if node is None or pod.deleted:
+                pod.obj["status"]["conditions"][0].update(reason="Unschedulable",
+                                                           message="no node matches the pod's node affinity")
+                self._changed(pod)
+                return
+            pod.host = self.nodes[node]
+            pod.port = self._service_port(pod.obj)
+            container = pod.obj["spec"]["containers"][0]
+            pod.obj["spec"]["nodeName"] = node
+            pod.obj["status"].update(hostIP=pod.host, podIP=pod.host, startTime=_now())
+            pod.obj["status"]["conditions"][0]["status"] = "True"
+            pod.folder = self.root / "pods" / pod.name / pod.obj["metadata"]["uid"]
+            pod.folder.mkdir(parents=True)
+            env = {**self.base_env,
+                   **{e["name"]: e.get("value", "") for e in container.get("env", [])},
+                   "ETL_HOST": pod.host, "ETL_PORT": str(pod.port),
+                   "ETL_TERMINATION_LOG": str(pod.termination_log), "HOSTNAME": pod.name}
+            command = self._command(container)
+            with open(pod.log, "wb") as log:
+                pod.process = subprocess.Popen(command, env=env, cwd=pod.folder, stdin=subprocess.DEVNULL,
+                                               stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+            pod.obj["status"]["phase"] = "Running"
+            pod.obj["status"]["containerStatuses"] = [{
+                "name": container.get("name", ""), "image": container.get("image", ""), "ready": False,
+                "restartCount": 0, "started": True, "state": {"running": {"startedAt": _now()}}}]
+            self._changed(pod)
+        ready = False
+        while pod.process.poll() is None and not pod.deleted and not self._closing:
+            if not ready and self._healthy(pod):
+                ready = True
+                with self._lock:
+                    pod.obj["status"]["conditions"][1]["status"] = "True"
+                    pod.obj["status"]["containerStatuses"][0]["ready"] = True
+                    self._changed(pod)
+            time.sleep(self.ready_interval)
+        code = pod.process.wait()
+        with self._lock:
+            if pod.deleted or self._closing:
+                return
+            self._terminated(pod, container, code)
+
+    def _command(self, container: dict) -> list[str]:
+        command = container.get("command") or []
+        if not command:
+            return [*self.entrypoint, *container.get("args", [])]
+        return [*self.commands.get(command[0], [command[0]]), *command[1:], *container.get("args", [])]
+
+    def _healthy(self, pod: Pod) -> bool:
+        try:
+            with socket.create_connection((pod.host, pod.port), timeout=1) as sock:
+                sock.sendall(f"GET /health HTTP/1.1\r\nHost: {pod.host}:{pod.port}\r\nConnection: close\r\n\r\n"
+                             .encode())
+                return sock.recv(64).startswith(b"HTTP/1.1 200")
+        except OSError:
+            return False
+
+    def _terminated(self, pod: Pod, container: dict, code: int) -> None:
+        exit_code = 128 - code if code < 0 else code  # a signal, as a container runtime reports it
+        reason = "OOMKilled" if pod.oom else ("Completed" if exit_code == 0 else "Error")
+        message = ""
+        if pod.termination_log.is_file():
+            message = pod.termination_log.read_text(errors="replace")[-4096:]
+        if not message and exit_code != 0 and container.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+            message = "\n".join(pod.log_text().splitlines()[-80:])[-2048:]
+        status = pod.obj["status"]
+        status["conditions"][1]["status"] = "False"
+        status["containerStatuses"][0].update(ready=False, started=False, state={"terminated": {
+            "exitCode": exit_code, "reason": reason, "message": message,
+            "startedAt": status["containerStatuses"][0]["state"].get("running", {}).get("startedAt", _now()),
+            "finishedAt": _now()}})
+        if pod.obj["spec"].get("restartPolicy") in ("Never", "OnFailure") and (exit_code or reason != "Completed"):
+            status["phase"] = "Failed"
+        self._changed(pod)
+
+    # -- watches ---------------------------------------------------------------------------------------
+
+    def watch(self, name: str) -> Iterator[tuple[str, dict]]:
+        """Events for pod ``name``: ADDED for the pod as it is now, then each change, until closed."""
+        with self._lock:
+            start = len(self._events)
+            pod = self.pods.get(name)
+            current = json.loads(json.dumps(pod.obj)) if pod is not None else None
+        if current is not None:
+            yield "ADDED", current
+        seen = start
+        while True:
+            with self._lock:
+                while seen == len(self._events) and not self._closing:
+                    self._lock.wait(timeout=30)
+                if self._closing:
+                    return
+                batch = self._events[seen:]
+                seen = len(self._events)
+            for kind, obj in batch:
+                if obj["metadata"]["name"] == name:
+                    yield kind, obj
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass  # a client that hangs up (a watch AIS stops) is no error
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    kube: FakeKubernetes
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def _send(self, code: int, body: dict | str, content_type: str = "application/json") -> None:
+        data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _route(self) -> tuple[list[str], dict[str, list[str]]]:
+        url = urlsplit(self.path)
+        self.kube.requests.append(f"{self.command} {url.path}")
+        return [p for p in url.path.split("/") if p], parse_qs(url.query)
+
+    def _unexpected(self) -> None:
+        self.kube.unexpected.append(f"{self.command} {self.path}")
+        self._send(404, status_body(404, "NotFound", f"the fake Kubernetes API does not serve {self.path}"))
+
+    def _body(self) -> bytes:
+        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        parts, query = self._route()
+        kube = self.kube
+        if parts[:2] == ["apis", "metrics.k8s.io"]:
+            return self._metrics(parts)
+        if len(parts) < 5 or parts[:4] != ["api", "v1", "namespaces", kube.namespace]:
+            return self._unexpected()
+        kind, rest = parts[4], parts[5:]
+        if kind not in ("pods", "services"):
+            return self._unexpected()
+        if not rest:
+            selector = query.get("fieldSelector", [""])[0]
+            name = selector.split("=", 1)[1] if selector.startswith("metadata.name=") else None
+            if query.get("watch", [""])[0] in ("true", "1"):
+                return self._watch(name) if kind == "pods" and name else self._unexpected()
+            with kube._lock:
+                store = kube.pods if kind == "pods" else kube.services
+                items = [(p.obj if kind == "pods" else p) for n, p in store.items() if name in (None, n)]
+                body = {"kind": "PodList" if kind == "pods" else "ServiceList", "apiVersion": "v1",
+                        "metadata": {"resourceVersion": str(kube._version)}, "items": items}
+                return self._send(200, body)
+        with kube._lock:
+            store = kube.pods if kind == "pods" else kube.services
+            found = store.get(rest[0])
+            if found is None:
+                return self._send(404, status_body(404, "NotFound", f'{kind} "{rest[0]}" not found', kind, rest[0]))
+            if len(rest) == 1:
+                return self._send(200, found.obj if kind == "pods" else found)
+        if kind == "pods" and rest[1:] == ["log"]:
+            return self._send(200, found.log_text(), "text/plain")
+        return self._unexpected()
+
+    def _watch(self, name: str) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self.wfile.flush()
+        try:
+            for kind, obj in self.kube.watch(name):
+                line = json.dumps({"type": kind, "object": obj}).encode() + b"\n"
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+        except OSError:
+            pass
+        self.close_connection = True
+
+    def _metrics(self, parts: list[str]) -> None:
+        if parts[2:] == ["v1beta1", "pods"]:
+            return self._send(200, {"kind": "PodMetricsList", "apiVersion": "metrics.k8s.io/v1beta1", "items": []})
+        if len(parts) == 7 and parts[2:4] == ["v1beta1", "namespaces"] and parts[5] == "pods":
+            pod = self.kube.pods.get(parts[6])
+            if pod is None or pod.process is None or pod.process.poll() is not None:
+                return self._send(404, status_body(404, "NotFound", f'podmetrics "{parts[6]}" not found'))
+            cpu, memory = _usage(pod.process.pid)
+            return self._send(200, {
+                "kind": "PodMetrics", "apiVersion": "metrics.k8s.io/v1beta1",
+                "metadata": {"name": pod.name, "namespace": self.kube.namespace}, "timestamp": _now(),
+                "window": "10s", "containers": [{"name": pod.obj["spec"]["containers"][0].get("name", ""),
+                                                 "usage": {"cpu": cpu, "memory": memory}}]})
+        return self._unexpected()
+
+    def do_POST(self) -> None:  # noqa: N802
+        parts, _ = self._route()
+        if len(parts) != 5 or parts[:4] != ["api", "v1", "namespaces", self.kube.namespace]:
+            return self._unexpected()
+        kind = parts[4]
+        schema = {"pods": _POD, "services": _SERVICE}.get(kind)
+        if schema is None:
+            return self._unexpected()
+        try:
+            obj = decode_body(self._body(), self.headers.get("Content-Type", ""), schema)
+        except (ValueError, IndexError) as exc:
+            return self._send(400, status_body(400, "BadRequest", f"cannot decode the {kind} body: {exc}"))
+        code, body = (self.kube.create_pod if kind == "pods" else self.kube.create_service)(obj)
+        self._send(code, body)
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        parts, _ = self._route()
+        self._body()  # DeleteOptions: gracePeriodSeconds 0, as AIS always sends
+        if len(parts) != 6 or parts[:4] != ["api", "v1", "namespaces", self.kube.namespace] \
+                or parts[4] not in ("pods", "services"):
+            return self._unexpected()
+        self._send(*self.kube.delete(parts[4], parts[5]))
+
+
+def _usage(pid: int) -> tuple[str, str]:
+    """CPU (cores, as nanocores averaged over the process's life) and resident memory of a process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = os.sysconf("SC_CLK_TCK")
+        cpu_seconds = (int(stat[11]) + int(stat[12])) / ticks
+        started = int(stat[19]) / ticks
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        rss = int(stat[21]) * os.sysconf("SC_PAGE_SIZE")
+        cores = cpu_seconds / max(uptime - started, 1e-3)
+        return f"{int(cores * 1e9)}n", f"{rss // 1024}Ki"
+    except (OSError, IndexError, ValueError):
+        return "0", "0"
