@@ -275,3 +275,13 @@ def test_hpush_reply_nobody_reads_ends_at_the_object_timeout(impatient: Service,
             received += chunk
     assert received.startswith(b"HTTP/1.1 200")
     assert not received.endswith(b"\r\n0\r\n\r\n"), "a shard nobody read ended as a complete response"
+
+
+def test_hpush_question_mark_in_the_name_is_400_not_a_transform_without_etl_args(client: httpx.Client,
+                                                                                 disk: AisDisk) -> None:
+    # AIS joins the raw name into the URL: "q?x=1.tar" makes "x" a parameter holding the rest, etl_args included.
+    fqn = disk.put("src", "q?x=1.tar", make_tar(imagenet_like_members(1)))
+    args = json.dumps({"dtype": "uint8"})
+    response = client.put(f"/src/q?x=1.tar?{fqn_query(fqn, args)}", content=b"")
+    assert response.status_code == 400, response.text
+    assert "shard 'src/q'" in response.text and "'?'" in response.text and "hpull or ws" in response.text

@@ -90,6 +90,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         """hpush: ``PUT /<bucket>/<obj>``, input from ``etl_fqn`` (empty body) or the body."""
         fqn = request.query_params.get("etl_fqn")
         object_name = path.split("/", 1)[1] if "/" in path else path
+        unknown = sorted(set(request.query_params) - HPUSH_QUERY)
+        if unknown:
+            # AIS joins the raw object name into the URL: a '?' in the name starts the query early, so the
+            # rest of the name becomes a parameter and etl_args would be lost (a transform with defaults).
+            return _error(RequestError(
+                f"shard '{path}': unexpected query parameters {', '.join(unknown)}: the object name holds a '?', "
+                "which AIS's hpush does not escape; read such names through an hpull or ws ETL"))
         length = request.headers.get("content-length", "")
         limit = runtime().settings.max_shard_bytes
         if not fqn and length.isdigit() and int(length) > limit:
@@ -150,6 +157,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await serve_websocket(ws, runtime())
 
     return app
+
+
+HPUSH_QUERY = frozenset({"etl_fqn", "etl_args"})  # all AIS 5.0 sends (ext/etl/communicator.go)
 
 
 class ShardResponse(Response):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import tarfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -94,7 +95,11 @@ def etl(etl_client, etl_cluster: EtlCluster) -> Iterator[Callable[..., str]]:
 
 def shard_bytes(index: int, samples: int = 6) -> bytes:
     """A WebDataset shard of ``samples`` small JPEG samples with labels and pass-through members."""
-    members = [(f"s{index:03d}-{name}", data) for name, data in imagenet_like_members(samples)]
+    members = []
+    for name, data in imagenet_like_members(samples):
+        if name.endswith(".json"):  # which shard and sample: unique over a bucket
+            data = json.dumps({"shard": index, "sample": int(name[7:13])}).encode()
+        members.append((f"s{index:03d}-{name}", data))
     return make_tar(members)
 
 
