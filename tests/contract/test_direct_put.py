@@ -14,6 +14,7 @@ from .conftest import AisDisk
 from .fake_ais import FakeStage, FakeTarget, Fault, unused_port
 from .harness import Service, args_query, escaped_uname, fqn_query, uname
 from .outputs import assert_transformed, image_shard
+from .test_ops import _settled, _value
 
 NODE_URL = "Ais-Node-Url"
 ARGS = json.dumps({"dtype": "uint8"}, separators=(",", ":"))
@@ -28,6 +29,7 @@ def test_direct_put_goes_to_the_entry_host_under_the_etl_path_and_answers_204(
     client: httpx.Client, target: FakeTarget, dest_target: FakeTarget
 ) -> None:
     shard = image_shard(3)
+    before = _settled(client)
     inline = client.put(f"/src/shard.tar?{args_query(ARGS)}", content=shard)
     response = client.put(f"/src/shard.tar?{args_query(ARGS)}", content=shard,
                           headers={NODE_URL: destination(dest_target, "dir/shard.tar")})
@@ -40,6 +42,9 @@ def test_direct_put_goes_to_the_entry_host_under_the_etl_path_and_answers_204(
     assert "ais-node-url" not in put.headers  # nothing left after the destination
     assert put.body == inline.content
     assert target.recorded() == []  # the entry's host, not AIS_TARGET_URL's host
+    after = _settled(client)
+    for to, count in (("target", 1), ("caller", 1), ("stage", 0)):  # the direct put, the inline reply above
+        assert _value(after, "etl_delivered_total", to=to) - _value(before, "etl_delivered_total", to=to) == count
 
 
 def test_direct_put_with_fqn_input(client: httpx.Client, disk: AisDisk, dest_target: FakeTarget) -> None:

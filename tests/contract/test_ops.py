@@ -113,6 +113,7 @@ def test_metrics_count_a_transformed_shard(client: httpx.Client) -> None:
         return _value(after, name, **labels) - _value(before, name, **labels)
 
     assert delta("etl_shards_total", comm="hpush", outcome="ok") == 1
+    assert delta("etl_delivered_total", to="caller") == 1 and delta("etl_delivered_total", to="target") == 0
     assert delta("etl_samples_total", outcome="ok") == 3
     assert delta("etl_samples_total", outcome="failed") == 0
     assert len(shard) - 20480 <= delta("etl_bytes_in_total") <= len(shard)  # a tar reader may stop at the EOF marker

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("transformer.client")
 
 JOB_KIND = "etl-bck"  # the xaction of a bucket-to-bucket transform
+LIST_JOB_KIND = "etl-listrange"  # ... and of a multi-object (list or template) transform
 _ENV = {"preset": "ETL_PRESET", "transforms": "ETL_TRANSFORMS", "dtype": "ETL_DTYPE", "layout": "ETL_LAYOUT",
         "seed": "ETL_SEED", "on_error": "ETL_ON_ERROR"}
 _DETERMINISTIC_PRESETS = ("imagenet-val",)
@@ -143,10 +144,15 @@ def transform_bucket(
     continue_on_error: bool = True,
     num_workers: int = 0,
     pipeline: tuple[str, ...] | list[str] = (),
+    names: Sequence[str] | None = None,
+    template: str | None = None,
     timeout: int = 3600,
     wait: bool = True,
 ) -> OfflineJob:
     """Transform bucket ``source`` into ``destination`` with the ETL ``etl_name``, once.
+
+    The whole bucket (or the objects under ``prefix``), or only the objects ``names`` lists or a brace
+    ``template`` such as ``val-{0000..0049}.tar`` expands to (a multi-object transform).
 
     ``options`` are the ``etl_args`` the copy must be made with; they are checked against the ETL's
     settings first (``check_offline_options``), because AIS does not pass them to offline jobs. With
@@ -155,19 +161,32 @@ def transform_bucket(
     its own settings: no stage gets ``etl_args``). ``timeout`` bounds the wait, in seconds;
     ``wait=False`` returns after starting.
     """
+    if names is not None and template is not None:
+        raise ValueError("transform_bucket: give names or template, not both")
+    if (names is not None or template is not None) and prefix:
+        raise ValueError("transform_bucket: prefix applies to a whole-bucket transform, not to names or template")
     check_offline_options(client, etl_name, options)
+    stages = [validate_name(name) for name in pipeline] or None
     with ais_errors(etl_name, "offline transform"):
-        job_id = client.bucket(source).transform(
-            etl_name, to_bck=client.bucket(destination), prefix_filter=prefix, ext=dict(ext) if ext else None,
-            cont_on_err=continue_on_error, num_workers=num_workers,
-            etl_pipeline=[validate_name(name) for name in pipeline] or None,
-        )
+        if names is None and template is None:
+            job_id = client.bucket(source).transform(
+                etl_name, to_bck=client.bucket(destination), prefix_filter=prefix, ext=dict(ext) if ext else None,
+                cont_on_err=continue_on_error, num_workers=num_workers, etl_pipeline=stages,
+            )
+        else:
+            group = client.bucket(source).objects(obj_names=list(names) if names is not None else None,
+                                                  obj_template=template)
+            job_id = group.transform(
+                to_bck=client.bucket(destination), etl_name=etl_name, ext=dict(ext) if ext else None,
+                continue_on_error=continue_on_error, num_workers=num_workers or None, etl_pipeline=stages,
+            )
     log.info("offline transform %s: ais://%s -> ais://%s with ETL %s", job_id, source, destination, etl_name)
     job = OfflineJob(etl_name, job_id, source, destination)
     if not wait:
         return job
     with ais_errors(etl_name, "offline transform"):
-        result = client.job(job_id, job_kind=JOB_KIND).wait(timeout=timeout, verbose=False)
+        kind = JOB_KIND if names is None and template is None else LIST_JOB_KIND
+        result = client.job(job_id, job_kind=kind).wait(timeout=timeout, verbose=False)
     errors = object_errors(client, etl_name, job_id)
     return OfflineJob(etl_name, job_id, source, destination, finished=True, success=bool(result.success),
                       error=result.error or None, object_errors=errors)

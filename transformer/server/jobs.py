@@ -84,11 +84,15 @@ class ShardJob:
                     for chunk in chunks:
                         output.write(chunk)
                 output.end()
+                delivered = "caller"
             elif isinstance(hop, DirectPutTarget):
                 output.answer(self._direct_put(hop))
+                delivered = "target"
             else:
                 self._to_stage(hop)
+                delivered = "stage"
             outcome = "ok"
+            metrics.delivered.labels(delivered).inc()
         except Cancelled as exc:
             outcome = "cancelled"
             log.info("shard %s: caller went away; work stopped", self.request.shard)

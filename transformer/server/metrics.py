@@ -27,6 +27,9 @@ class Metrics:
         self.send_path = Counter("etl_send_path", "Streamed responses by who wrote the body: 'direct' (the "
                                  "shard's thread, ETL_DIRECT_SEND), 'loop' (the event loop), 'direct_then_loop' "
                                  "(a caller that read only after sending)", ["path"], registry=r)
+        self.delivered = Counter("etl_delivered", "Shards transformed whole, by where the output went: 'caller' "
+                                 "(the reply), 'target' (a direct put to the destination target), 'stage' (the next "
+                                 "ETL of a pipeline)", ["to"], registry=r)
         self.inflight = Gauge("etl_inflight_shards", "Shard requests being transformed", registry=r)
         r.register(_DecodePaths())
 

@@ -1,0 +1,112 @@
+"""Offline transforms through the real cluster: a bucket copied whole over both targets (hpush, and ws with
+direct put), a multi-object transform by list and by template, the job's per-object errors, and the
+pods' logs through AIS."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+
+from tests.ais.etl_cluster import EtlCluster
+from tests.shardgen import read_output
+from transformer.client import etl_logs, register, transform_bucket, unregister
+
+from .conftest import owner_of, put_shards, settings
+
+pytestmark = [pytest.mark.ais, pytest.mark.ais_etl]
+SHARDS = [f"val-{i:04d}.tar" for i in range(10)]
+SAMPLES = 4
+OPTIONS = {"preset": "imagenet-val", "dtype": "uint8", "seed": 7}  # what settings() registers
+
+
+@pytest.fixture(scope="module")
+def offline(etl_client, etl_cluster: EtlCluster):
+    put_shards(etl_client, "offline-src", SHARDS, SAMPLES)
+    names = {comm: f"offline-{comm}" for comm in ("hpush", "ws")}
+    for comm, name in names.items():
+        register(etl_client, name, settings(comm))
+    yield names
+    for name in names.values():
+        unregister(etl_client, name)
+
+
+def delivered(cluster: EtlCluster, etl: str) -> dict[str, float]:
+    """``etl_delivered_total`` summed over the ETL's pods, read from each pod's /metrics."""
+    totals: dict[str, float] = {}
+    for pod in cluster.kube.pods_of(etl):
+        text = httpx.get(f"http://{pod.host}:{pod.port}/metrics", timeout=10).text
+        for to, value in re.findall(r'^etl_delivered_total\{to="(\w+)"\} (\S+)$', text, re.M):
+            totals[to] = totals.get(to, 0) + float(value)
+    return totals
+
+
+def objects(client, bucket: str) -> list[str]:
+    return sorted(entry.name for entry in client.bucket(bucket).list_all_objects())
+
+
+def raw(client, bucket: str, name: str) -> bytes:
+    return client.bucket(bucket).object(name).get_reader().read_all()
+
+
+@pytest.mark.parametrize("comm", ["hpush", "ws"])
+def test_transform_bucket_copies_it_whole_over_both_targets(etl_client, etl_cluster: EtlCluster, offline,
+                                                           comm: str) -> None:
+    name, destination = offline[comm], f"offline-dst-{comm}"
+    before = delivered(etl_cluster, name)
+    job = transform_bucket(etl_client, name, "offline-src", destination, options=OPTIONS, timeout=300)
+    assert job.finished and job.success and not job.object_errors, job
+    assert objects(etl_client, destination) == SHARDS
+    moved = 0
+    for shard in SHARDS:
+        data = raw(etl_client, destination, shard)
+        assert sum(n.endswith(".npy") for n, _ in read_output(data)) == SAMPLES, shard  # whole, end marker intact
+        # the same bytes an inline read gives with the ETL's own settings (offline jobs carry no etl_args)
+        assert data == etl_client.bucket("offline-src").object(shard).get_reader(etl=_etl(name)).read_all(), shard
+        moved += owner_of(etl_cluster, destination, shard) != owner_of(etl_cluster, "offline-src", shard)
+    assert {owner_of(etl_cluster, destination, shard) for shard in SHARDS} == {0, 1}
+    after = delivered(etl_cluster, name)
+    # AIS asks for a direct put exactly when the destination is on the other target (Ais-Node-Url)
+    assert moved and after.get("target", 0) - before.get("target", 0) == moved
+
+
+def _etl(name: str):
+    from aistore.sdk.etl import ETLConfig
+
+    return ETLConfig(name)
+
+
+@pytest.mark.parametrize("how", ["names", "template"])
+def test_multi_object_transform_by_list_or_template(etl_client, offline, how: str) -> None:
+    destination = f"offline-some-{how}"
+    chosen = {"names": {"names": [SHARDS[1], SHARDS[4], SHARDS[8]]},
+              "template": {"template": "val-{0002..0005}.tar"}}[how]
+    job = transform_bucket(etl_client, offline["hpush"], "offline-src", destination, options=OPTIONS, timeout=300,
+                           **chosen)
+    assert job.success and not job.object_errors, job
+    wanted = chosen.get("names") or [f"val-{i:04d}.tar" for i in range(2, 6)]
+    assert objects(etl_client, destination) == sorted(wanted)
+    for shard in wanted:
+        read_output(raw(etl_client, destination, shard))
+
+
+def test_job_records_each_failed_object_and_copies_the_rest(etl_client, offline) -> None:
+    put_shards(etl_client, "offline-broken", SHARDS[:3], SAMPLES)
+    etl_client.bucket("offline-broken").object("broken.tar").get_writer().put_content(b"not a tar archive" * 100)
+    job = transform_bucket(etl_client, offline["hpush"], "offline-broken", "offline-broken-dst", options=OPTIONS,
+                           timeout=300)
+    assert job.finished
+    assert [name for name, _ in job.object_errors] == ["ais://offline-broken/broken.tar"], job.object_errors
+    assert "offline-broken/broken.tar" in job.object_errors[0][1] and "not a tar archive" in job.object_errors[0][1]
+    assert objects(etl_client, "offline-broken-dst") == sorted(SHARDS[:3])
+
+
+def test_etl_logs_come_from_both_pods(etl_client, etl_cluster: EtlCluster, offline) -> None:
+    logs = etl_logs(etl_client, offline["hpush"])
+    targets = {json.loads(httpx.get(f"{node.url}/v1/daemon", params={"what": "snode"}).text)["daemon_id"]
+               for node in etl_cluster.targets}
+    assert set(logs) == targets
+    for text in logs.values():
+        assert "transformer ready" in text
