@@ -152,8 +152,9 @@ def report(results: dict) -> str:
                     continue
                 errors = [r["mae"] for r in chosen]
                 paths = Counter(p for r in chosen for p in r["paths"])
-                lines.append(f"| {label} | {len({r['image'] for r in chosen})} | {setting} | {max(errors):.4f} | "
-                             f"{np.mean(errors):.4f} | {max(r['max_abs'] for r in chosen):.0f} | "
+                largest = max(r["max_abs"] for r in chosen)
+                error = f"{max(errors):.4f} | {np.mean(errors):.4f}" if largest else "0 (identical) | 0"
+                lines.append(f"| {label} | {len({r['image'] for r in chosen})} | {setting} | {error} | {largest:.0f} | "
                              f"{', '.join(f'{p} {n}' for p, n in sorted(paths.items()))} | "
                              f"{np.median([r['cpu_ms'] for r in chosen]):.2f} |")
         lines.append("")
