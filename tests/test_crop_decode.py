@@ -153,6 +153,26 @@ def test_imagenet_val_by_default_is_torchvisions_output_at_every_size(
     assert error <= 0.002, f"mean absolute error {error:.5f} in [0, 1] units for {size}"
 
 
+@pytest.mark.parametrize("size", SPREAD, ids=lambda size: f"{size[0]}x{size[1]}")
+def test_the_other_presets_by_default_are_torchvisions_output_at_every_size(
+    make_sample: MakeSample, make_options: MakeOptions, size: tuple[int, int]
+) -> None:
+    data = spread_jpeg(size)
+    outputs = {}
+
+    def presets() -> None:
+        outputs["resize"] = run(make_sample([("k.jpg", data)]), make_options(preset="resize-224", dtype="uint8"))
+        for seed in range(2):
+            outputs[seed] = run(make_sample([("k.jpg", data)]), make_options(seed=seed, dtype="uint8"))
+
+    assert "scaled" not in {path for path, _ in paths_during(presets)}
+    resize = v2.Resize([224, 224], antialias=True)
+    np.testing.assert_array_equal(outputs["resize"]["k.npy"], resize(torchvision_decode(data, rgb=True)).numpy())
+    for seed in range(2):  # torchvision's RandomResizedCrop and flip with the same draws: the whole-image path
+        whole = run(make_sample([("k.jpg", data)]), make_options(seed=seed, dtype="uint8", crop_decode=False))
+        np.testing.assert_array_equal(outputs[seed]["k.npy"], whole["k.npy"])
+
+
 @pytest.mark.parametrize("size", [s for s in SPREAD if min(s) >= 512], ids=lambda size: f"{size[0]}x{size[1]}")
 def test_dct_scaling_is_the_faster_inexact_path_when_asked_for(
     make_sample: MakeSample, make_options: MakeOptions, size: tuple[int, int]
