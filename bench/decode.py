@@ -6,15 +6,19 @@ the same bundled photographs (3000 on the long side, grain, quality 90, ~2 MB), 
 1. **decode**, one thread, thread CPU ms per image, the options taking turns: the whole image
    (torchvision's decoder, as the service without ``crop_decode``), the crop window alone at full scale
    (nvImageCodec), the whole image at the crop's DCT scale (simplejpeg; where the scale is 1 that is a
-   full decode), and what the service does (``cropdecode.decode_window``, including the resize);
+   full decode), and what the service does (``cropdecode.decode_window``, including the resize), with
+   and without ``dct_scaling``;
 2. **compute loop** on ``--workers`` threads over samples in memory: torchvision's own tight loop
    (``decode_image``, ``v2.Compose`` of the preset, ``.npy`` written to memory) and the service's
    ``transform_sample`` with and without ``crop_decode``;
 3. **service** over HTTP (hpush with ``etl_fqn``, one shard at a time) with and without ``crop_decode``
    (``etl_args``), and the conventional SDK ETL (``bench/peers/conventional_etl.py``).
 
-Sections 2 and 3 run once per round, in alternating order, so every ratio compares figures of one round;
-the report gives medians with min-max over rounds.
+"crop_decode on" means ``crop_decode`` with ``dct_scaling``, as in the kept run (the photographs' crops
+decode at a reduced DCT scale, not torchvision's pixels); section 1 also measures the default, without
+``dct_scaling``, and ``python -m bench.accuracy`` the error. Sections 2 and 3 run once per round, in
+alternating order, so every ratio compares figures of one round; the report gives medians with min-max
+over rounds.
 """
 
 from __future__ import annotations
@@ -96,6 +100,9 @@ def decode_costs(jpegs: list[bytes], repeats: int = 3) -> dict[str, float]:
         return simplejpeg.decode_jpeg(job[0], "RGBX", min_height=-(-job[1] // 8), min_width=-(-job[2] // 8))
 
     def service(job) -> object:
+        return cropdecode.decode_window(*job, dct_scaling=True)
+
+    def default(job) -> object:  # without dct_scaling: the window, torchvision's pixels
         return cropdecode.decode_window(*job)
 
     def whole_and_resize(job) -> object:  # the service without crop_decode: decode, crop, resize
@@ -107,7 +114,8 @@ def decode_costs(jpegs: list[bytes], repeats: int = 3) -> dict[str, float]:
                                     "whole image at the crop's DCT scale (simplejpeg)": scaled,
                                     "whole image at 1/8 (about the entropy decoding alone)": floor,
                                     "whole + crop + resize (crop_decode off)": whole_and_resize,
-                                    "crop_decode: decode + resize (on)": service}
+                                    "crop_decode: decode + resize (on)": service,
+                                    "crop_decode without dct_scaling: decode + resize": default}
     costs = compute.interleaved_ms(options, jobs, repeats)
     costs["DCT scale > 1 (share of crops)"] = sum(job[3].dct_scale() > 1 for job in jobs) / len(jobs)
     return costs
@@ -142,7 +150,8 @@ def service_loop(samples: list, workers: int, crop_decode: bool) -> dict:
     from transformer.samples import transform_sample
 
     torch.set_num_threads(1)
-    options = options_from_mapping({"preset": PRESET, "crop_decode": crop_decode}, Settings.from_env({}))
+    options = options_from_mapping({"preset": PRESET, "crop_decode": crop_decode, "dct_scaling": crop_decode},
+                                   Settings.from_env({}))
 
     def one(sample) -> int:
         members = transform_sample(sample, options, "bench", "bench")
@@ -199,7 +208,8 @@ def run(args: argparse.Namespace, work: Path) -> dict:
             "compute loop, crop_decode on": lambda n: service_loop(loaded[n], workers, True),
             "compute loop, crop_decode off": lambda n: service_loop(loaded[n], workers, False),
             "service, crop_decode on": lambda n: over_http(servers["service"], sets[n],
-                                                           {"preset": PRESET, "crop_decode": True}),
+                                                           {"preset": PRESET, "crop_decode": True,
+                                                            "dct_scaling": True}),
             "service, crop_decode off": lambda n: over_http(servers["service"], sets[n],
                                                             {"preset": PRESET, "crop_decode": False}),
             "conventional SDK ETL": lambda n: over_http(servers["peer"], sets[n], {"preset": PRESET}),

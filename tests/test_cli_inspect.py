@@ -39,6 +39,7 @@ def test_a_whole_output_is_summarized_and_said_whole(shards, capsys) -> None:
     out = capsys.readouterr().out
     assert "3 samples, 6 members" in out and "uint8 (3, 224, 224) x3" in out
     assert "s2 (s2.jpg)" in out and "-> skipped" in out  # the error manifest
+    assert "  labels: 3 (3 distinct): 0 x1, 1 x1, 3 x1\n" in out
     assert ("whole: the end marker matches (7 members" in out and "read 4 samples, wrote 3, skipped 1, passed 0"
             in out)
 
@@ -51,6 +52,15 @@ def test_a_cut_or_unmarked_shard_is_an_error(shards, capsys, name: str) -> None:
     assert ("corrupt or truncated tar" if name == "cut" else "no end marker") in captured.err
     # cut before s3: s1 may have had more members, so only s0 counts as read
     assert ("1 samples" if name == "cut" else "3 samples") in captured.out
+
+
+def test_the_labels_of_a_large_shard_are_summarized_on_one_short_line(tmp_path: Path, capsys) -> None:
+    labels = ["5"] * 100 + ["7"] * 60 + ["12"] * 40 + [str(n) for n in range(100, 156)]  # 256 samples, 59 labels
+    shard = tmp_path / "labels.tar"
+    shard.write_bytes(make_tar([(f"s{i:03d}.cls", label.encode()) for i, label in enumerate(labels)]))
+    assert main(["inspect", "--raw", str(shard)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  labels:")]
+    assert lines == ["  labels: 256 (59 distinct); most common: 5 x100, 7 x60, 12 x40, 100 x1, 101 x1"]
 
 
 def test_a_source_shard_needs_raw(shards, capsys) -> None:

@@ -59,6 +59,7 @@ def test_every_variable_is_read(tls_files: TlsFiles) -> None:
         "ETL_MAX_IMAGE_PIXELS": "4096",
         "ETL_FQN_ROOTS": "/ais/mp1, /ais/mp2/../mp3,",
         "ETL_CROP_DECODE": "no",
+        "ETL_DCT_SCALING": "Yes",
         "ETL_ERROR_MANIFEST": "No",
         "ETL_DIRECT_SEND": "false",
         "ETL_KEEPALIVE": "7",
@@ -82,6 +83,7 @@ def test_every_variable_is_read(tls_files: TlsFiles) -> None:
     assert (s.max_member_bytes, s.max_shard_bytes, s.max_image_pixels) == (1024, 2**20, 4096)
     assert s.fqn_roots == (os.path.realpath("/ais/mp1"), os.path.realpath("/ais/mp3"))
     assert s.error_manifest is False and s.direct_send is False and s.crop_decode is False
+    assert s.dct_scaling is True
     assert (s.keepalive, s.host, s.port, s.log_level) == (7, "127.0.0.1", 8123, "debug")
     assert s.ais_target_url == "http://target:8080/v1/etl/_object/x/SECRET"
     assert (s.ais_crt, s.ais_crt_key, s.ais_client_ca) == (env["AIS_CRT"], env["AIS_CRT_KEY"], env["AIS_CLIENT_CA"])

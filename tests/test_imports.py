@@ -4,9 +4,12 @@ would be refused if anything read them."""
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -46,3 +49,44 @@ def test_the_app_is_built_on_first_access_for_uvicorn_module_app(monkeypatch: py
     done = subprocess.run([sys.executable, "-c", "import transformer.server as s; print(type(s.app).__name__)"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "FastAPI", done.stderr[-2000:]
+
+
+def module_imports() -> dict[str, set[str]]:
+    """Each module's imports of other package modules at module level (``if TYPE_CHECKING:`` included)."""
+    files = {name: Path(spec.origin) for name in [*MODULES, "transformer.__main__"]
+             if (spec := importlib.util.find_spec(name)) and spec.origin}
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        for statement in ast.parse(path.read_text()).body:
+            for node in ast.walk(statement) if isinstance(statement, ast.If) else [statement]:
+                if isinstance(node, ast.ImportFrom):
+                    base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+                    target = ".".join(part for part in (base, node.module) if part)
+                    found |= {f"{target}.{a.name}" if f"{target}.{a.name}" in files else target for a in node.names}
+                elif isinstance(node, ast.Import):
+                    found |= {a.name for a in node.names}
+        graph[name] = {module for module in found if module in files and module != name}
+    return graph
+
+
+def test_no_module_imports_one_that_imports_it_back() -> None:
+    graph = module_imports()
+    assert "transformer.server.jobs" in graph["transformer.server.service"]  # the graph is read at all
+    state: dict[str, str] = {}
+    cycles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for imported in sorted(graph[module]):
+            if state.get(imported) == "open":
+                cycles.append(path[path.index(imported):] + [imported])
+            elif imported not in state:
+                visit(imported, [*path, imported])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert cycles == [], " ; ".join(" -> ".join(cycle) for cycle in cycles)

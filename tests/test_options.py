@@ -7,7 +7,7 @@ import json
 import pytest
 
 from transformer.config import Settings
-from transformer.errors import OptionsError
+from transformer.errors import ConfigError, OptionsError
 from transformer.options import FIELDS, parse_etl_args
 from transformer.spec import build_pipeline
 
@@ -31,15 +31,15 @@ def test_empty_etl_args_give_the_service_defaults(settings: Settings) -> None:
 def test_every_field(settings: Settings) -> None:
     options = parse(
         {"preset": "imagenet-val", "dtype": "float16", "layout": "HWC", "seed": 42, "epoch": 3, "on_error": "fail",
-         "skip": 5, "crop_decode": False},
+         "skip": 5, "crop_decode": False, "dct_scaling": True},
         settings,
     )
     assert options.pipeline is build_pipeline("imagenet-val")
     assert (options.dtype, options.layout, options.on_error) == ("float16", "HWC", "fail")
     assert (options.seed, options.seeded, options.epoch, options.skip) == (42, True, 3, 5)
-    assert options.crop_decode is False
+    assert options.crop_decode is False and options.dct_scaling is True
     assert set(FIELDS) == {"preset", "transforms", "dtype", "layout", "seed", "epoch", "on_error", "skip",
-                           "crop_decode"}
+                           "crop_decode", "dct_scaling"}
     assert parse({}, settings).skip == 0
 
 
@@ -51,6 +51,19 @@ def test_crop_decode_defaults_to_the_setting_and_must_be_a_boolean(settings: Set
         with pytest.raises(OptionsError) as info:
             parse({"crop_decode": bad}, settings)
         assert info.value.field == "crop_decode"
+
+
+def test_dct_scaling_is_off_unless_asked_for_and_must_be_a_boolean(settings: Settings) -> None:
+    assert parse({}, settings).dct_scaling is settings.dct_scaling is False
+    assert parse({}, Settings.from_env({"ETL_DCT_SCALING": "true"})).dct_scaling is True
+    assert parse({"dct_scaling": False}, Settings.from_env({"ETL_DCT_SCALING": "true"})).dct_scaling is False
+    assert parse({"dct_scaling": True}, settings).dct_scaling is True
+    for bad in ("true", 1, None):
+        with pytest.raises(OptionsError) as info:
+            parse({"dct_scaling": bad}, settings)
+        assert info.value.field == "dct_scaling"
+    with pytest.raises(ConfigError):
+        Settings.from_env({"ETL_DCT_SCALING": "sometimes"})
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "uint8"])

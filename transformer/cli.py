@@ -248,7 +248,7 @@ def _inspect(args: argparse.Namespace) -> int:
         values = array.astype(np.float64)
         print(f"  first array {name}: min {values.min():.3f} max {values.max():.3f} mean {values.mean():.3f}")
     if labels:
-        print("  labels: " + ", ".join(f"{label} x{n}" for label, n in sorted(labels.items())))
+        print("  labels: " + _label_summary(labels))
     if manifest:
         print(f"  {len(manifest['errors'])} sample(s) with errors, policy {manifest['policy']}:")
         for error in manifest["errors"][:10]:
@@ -270,6 +270,22 @@ def _inspect(args: argparse.Namespace) -> int:
             return 0
     print(f"error: {failure}", file=sys.stderr)
     return 1
+
+
+def _label_summary(labels: dict[str, int], shown: int = 5) -> str:
+    """How many labels, how many distinct, and the most common few (all of them when they are few)."""
+    total = sum(labels.values())
+    common = sorted(labels.items(), key=_most_common_first)[:shown]
+    listed = ", ".join(f"{label} x{n}" for label, n in common)
+    if len(labels) <= shown:
+        return f"{total} ({len(labels)} distinct): {listed}"
+    return f"{total} ({len(labels)} distinct); most common: {listed}"
+
+
+def _most_common_first(item: tuple[str, int]) -> tuple:
+    """Sort key: the higher count first; ties in label order, numbers by value (2 before 10)."""
+    label, count = item
+    return (-count, 0, int(label), "") if label.isdigit() else (-count, 1, 0, label)
 
 
 def _open_for_reading(shard: str):

@@ -42,9 +42,13 @@ VARIABLES: dict[str, tuple[str, str]] = {
                             "Also caps ws content messages, which are held in memory whole."),
     "ETL_MAX_IMAGE_PIXELS": ("100000000", "Largest decoded image (width x height); larger is a sample error."),
     "ETL_FQN_ROOTS": ("", "Comma-separated roots etl_fqn must lie under; empty = any AIS mountpath."),
-    "ETL_CROP_DECODE": ("true", "Decode only the JPEG region the leading crop/resize steps read, at the smallest DCT "
-                        "scale that keeps the output's resolution (false: decode every image whole; etl_args "
-                        "crop_decode overrides it per request)."),
+    "ETL_CROP_DECODE": ("true", "Decode only the JPEG region the leading crop/resize steps read, with the full "
+                        "decode's pixels (false: decode every image whole; etl_args crop_decode overrides it per "
+                        "request)."),
+    "ETL_DCT_SCALING": ("false", "true: with crop_decode, decode a JPEG at 1/2, 1/4 or 1/8 scale in the DCT domain "
+                        "when the region read is at least twice the output: faster on large images, but not "
+                        "torchvision's output (docs/performance.md gives the error); etl_args dct_scaling overrides "
+                        "it per request."),
     "ETL_ERROR_MANIFEST": ("true", "Append __etl__/errors.json to shards that lost or kept-as-is samples."),
     "ETL_DIRECT_SEND": ("true", "Shard output is written to the socket by the shard's own thread, not the event loop "
                         "(faster; false sends every chunk through uvicorn)."),
@@ -117,6 +121,7 @@ class Settings:
     fqn_roots: tuple[str, ...] = ()
     error_manifest: bool = True
     crop_decode: bool = True
+    dct_scaling: bool = False
     direct_send: bool = True
     keepalive: int = 75
     host: str = "0.0.0.0"
@@ -183,6 +188,9 @@ class Settings:
         crop_decode = get("ETL_CROP_DECODE").lower()
         if crop_decode not in ("true", "false", "1", "0", "yes", "no"):
             raise ConfigError("ETL_CROP_DECODE", "must be true or false")
+        dct_scaling = get("ETL_DCT_SCALING").lower()
+        if dct_scaling not in ("true", "false", "1", "0", "yes", "no"):
+            raise ConfigError("ETL_DCT_SCALING", "must be true or false")
         direct_send = get("ETL_DIRECT_SEND").lower()
         if direct_send not in ("true", "false", "1", "0", "yes", "no"):
             raise ConfigError("ETL_DIRECT_SEND", "must be true or false")
@@ -223,6 +231,7 @@ class Settings:
             fqn_roots=roots,
             error_manifest=manifest in ("true", "1", "yes"),
             crop_decode=crop_decode in ("true", "1", "yes"),
+            dct_scaling=dct_scaling in ("true", "1", "yes"),
             direct_send=direct_send in ("true", "1", "yes"),
             keepalive=keepalive,
             host=get("ETL_HOST"),

@@ -1,21 +1,25 @@
-"""Decode only what the output needs: a JPEG's crop window, at the smallest DCT scale that covers the output.
+"""Decode only what the output needs: a JPEG's crop window, or (by choice) the image at a reduced DCT scale.
 
 A pipeline's leading crop and resize steps (``Pipeline.geometry``: ``RandomResizedCrop``, ``Resize`` +
 ``CenterCrop``, ``CenterCrop``, ``Resize``) fix, once their parameters are drawn, which region of the
 image the output is made from and at what size. ``window_of`` turns the drawn parameters into that
 region in source pixels; ``decode_window`` then decodes no more of the JPEG than it needs:
 
-* **scaled**: when the region is at least twice the output in both directions, libjpeg-turbo decodes
-  the whole image at 1/2, 1/4 or 1/8 in the DCT domain (the smallest scale that still leaves the region
-  at least at the output's size: never an upsample), and PIL resamples the region, given as an exact,
-  fractional box, to the output size with the same bilinear antialiased filter torchvision uses;
-* **window**: otherwise, for a crop whose corners are whole pixels (``RandomResizedCrop``,
-  ``CenterCrop``), libjpeg-turbo decodes only that window at full scale (rows above it are entropy
-  decoded and skipped, rows below it are not read, columns outside it skip IDCT and colour conversion):
-  its pixels are the full decode's, bit for bit, and the same resize follows.
+* **window**: for a crop whose corners are whole pixels (``RandomResizedCrop``, ``CenterCrop``),
+  libjpeg-turbo decodes only that window at full scale (rows above it are entropy decoded and skipped,
+  rows below it are not read, columns outside it skip IDCT and colour conversion): its pixels are the
+  full decode's, bit for bit, and the same resize follows, so the output is torchvision's;
+* **scaled**, only when asked for (``dct_scaling``): when the region is at least twice the output in
+  both directions, libjpeg-turbo decodes the whole image at 1/2, 1/4 or 1/8 in the DCT domain (the
+  smallest scale that still leaves the region at least at the output's size: never an upsample), and
+  PIL resamples the region, given as an exact, fractional box, to the output size with the same
+  bilinear antialiased filter torchvision uses. Faster on large images, but the DCT-domain reduction
+  is not the antialiased resize of the full decode: the output differs from torchvision's
+  (docs/performance.md gives the error per preset, ``python -m bench.accuracy`` measures it).
 
 Everything else (no gain expected, or a decoder that refuses) returns None and the caller decodes the
-whole image.
+whole image; ``Resize`` + ``CenterCrop`` (imagenet-val) reads a sub-pixel region, so without
+``dct_scaling`` it always decodes whole, then resizes exactly as torchvision does.
 
 The libraries, both with libjpeg-turbo inside their wheels (no system package): simplejpeg for the DCT
 scaling (``min_height``/``min_width`` choose the scale; it cannot decode a region), and NVIDIA's
@@ -144,13 +148,17 @@ def _center(size: list[int], height: int, width: int, source_h: int, source_w: i
     return Window(top, left, top + crop_h, left + crop_w, crop_h, crop_w, True)
 
 
-def decode_window(data: bytearray, height: int, width: int, window: Window) -> tuple[torch.Tensor, str] | str:
-    """The geometric steps' output (uint8, CHW) and the path taken, or the reason to decode it all."""
+def decode_window(data: bytearray, height: int, width: int, window: Window,
+                  dct_scaling: bool = False) -> tuple[torch.Tensor, str] | str:
+    """The geometric steps' output (uint8, CHW) and the path taken, or the reason to decode it all.
+
+    ``dct_scaling`` allows the reduced-scale decode (inexact); without it the output is torchvision's.
+    """
     if _progressive(data):
         # All scans are read before any row comes out: a window saves nothing measurable and a reduced
         # scale little (docs/performance.md), not worth inexact pixels.
         return "progressive"
-    scale = window.dct_scale()
+    scale = window.dct_scale() if dct_scaling else 1
     if scale > 1:
         image = _decode_scaled(data, height, width, scale, window)
         return (image, SCALED) if image is not None else "decoder"

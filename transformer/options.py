@@ -1,8 +1,8 @@
 """Per-request options: ``etl_args`` (a JSON object) over the service defaults.
 
 Fields: ``preset`` or ``transforms`` (a spec), ``dtype``, ``layout``, ``seed``, ``epoch``,
-``on_error``, ``skip``, ``crop_decode``. Unknown fields are refused rather than ignored, so a typo never
-silently falls back to a default. Every error names the field.
+``on_error``, ``skip``, ``crop_decode``, ``dct_scaling``. Unknown fields are refused rather than ignored,
+so a typo never silently falls back to a default. Every error names the field.
 
 ``skip`` passes over the shard's first samples without decoding or writing them: a reader resuming in
 the middle of a shard asks for the rest only. It applies to this pod's input; the ``etl_args``
@@ -20,7 +20,8 @@ from .config import DTYPES, ERROR_POLICIES, LAYOUTS, Settings
 from .errors import OptionsError
 from .spec import Pipeline, build_pipeline, parse_spec_text
 
-FIELDS = ("preset", "transforms", "dtype", "layout", "seed", "epoch", "on_error", "skip", "crop_decode")
+FIELDS = ("preset", "transforms", "dtype", "layout", "seed", "epoch", "on_error", "skip", "crop_decode",
+          "dct_scaling")
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class TransformOptions:
     max_image_pixels: int
     error_manifest: bool
     crop_decode: bool = True  # decode only the JPEG region the leading crop/resize steps read (cropdecode.py)
+    dct_scaling: bool = False  # and at a reduced DCT scale when it is large: faster, not torchvision's pixels
 
 
 def parse_etl_args(raw: str | None, settings: Settings) -> TransformOptions:
@@ -90,6 +92,9 @@ def options_from_mapping(args: dict[str, Any], settings: Settings) -> TransformO
     crop_decode = args.get("crop_decode", settings.crop_decode)
     if not isinstance(crop_decode, bool):
         raise OptionsError("crop_decode", "must be true or false")
+    dct_scaling = args.get("dct_scaling", settings.dct_scaling)
+    if not isinstance(dct_scaling, bool):
+        raise OptionsError("dct_scaling", "must be true or false")
 
     return TransformOptions(
         pipeline=pipeline,
@@ -106,6 +111,7 @@ def options_from_mapping(args: dict[str, Any], settings: Settings) -> TransformO
         max_image_pixels=settings.max_image_pixels,
         error_manifest=settings.error_manifest,
         crop_decode=crop_decode,
+        dct_scaling=dct_scaling,
     )
 
 

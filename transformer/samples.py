@@ -152,7 +152,7 @@ def _transform_cropped(sample: Sample, kinds: list[str], positions: list[int], i
             flat = [x.as_subclass(torch.Tensor)[..., :1, :1].expand(*x.shape[:-2], *canvas).as_subclass(type(x))
                     for x in flat]
     window = window_of(pipeline.transforms[:pipeline.geometry], [d[1] for d in decisions], height, width)
-    decoded = decode_window(data, height, width, window) if window is not None else "pads"
+    decoded = decode_window(data, height, width, window, options.dct_scaling) if window is not None else "pads"
     if isinstance(decoded, str):
         return _count(FULL, decoded)
     tensor, path = decoded

@@ -44,6 +44,9 @@ def test_etl_args_refuses_what_the_service_would() -> None:
     assert etl_args(crop_decode=False) == {"crop_decode": False}
     with pytest.raises(ValueError, match="crop_decode"):
         etl_args(crop_decode="false")
+    assert etl_args(dct_scaling=True) == {"dct_scaling": True}
+    with pytest.raises(ValueError, match="dct_scaling"):
+        etl_args(dct_scaling=1)
     with pytest.raises(ValueError, match="unknown field 'size'"):
         encode_etl_args({"size": 224})
 

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from aistore.sdk import Client
 
 # The etl_args fields the service accepts (transformer.options.FIELDS; a test keeps them equal).
-ETL_ARG_FIELDS = ("preset", "transforms", "dtype", "layout", "seed", "epoch", "on_error", "skip", "crop_decode")
+ETL_ARG_FIELDS = ("preset", "transforms", "dtype", "layout", "seed", "epoch", "on_error", "skip", "crop_decode",
+                  "dct_scaling")
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 GLOBAL_NAMESPACE = "@#"  # AIS uname of a bucket in the global namespace: <provider>/@#/<bucket>/<object>
 
@@ -38,6 +39,7 @@ def etl_args(
     on_error: str | None = None,
     skip: int | None = None,
     crop_decode: bool | None = None,
+    dct_scaling: bool | None = None,
 ) -> dict[str, Any]:
     """The ``etl_args`` object for the service, checked here so a typo fails before any request.
 
@@ -55,10 +57,12 @@ def etl_args(
         raise ValueError("etl_args: epoch must be a non-negative integer")
     if skip is not None and (not isinstance(skip, int) or isinstance(skip, bool) or skip < 0):
         raise ValueError("etl_args: skip must be a non-negative integer")
-    if crop_decode is not None and not isinstance(crop_decode, bool):
-        raise ValueError("etl_args: crop_decode must be True or False")
+    for name, flag in (("crop_decode", crop_decode), ("dct_scaling", dct_scaling)):
+        if flag is not None and not isinstance(flag, bool):
+            raise ValueError(f"etl_args: {name} must be True or False")
     values = {"preset": preset, "transforms": transforms, "dtype": dtype, "layout": layout, "seed": seed,
-              "epoch": epoch, "on_error": on_error, "skip": skip, "crop_decode": crop_decode}
+              "epoch": epoch, "on_error": on_error, "skip": skip, "crop_decode": crop_decode,
+              "dct_scaling": dct_scaling}
     return {name: value for name, value in values.items() if value is not None}
 
 

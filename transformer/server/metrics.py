@@ -55,11 +55,11 @@ class Metrics:
 class _DecodePaths:
     """``etl_decode_path_total{path,reason}``: images by how they were decoded (read from ``samples`` at scrape).
 
-    ``window`` (only the crop's region, full scale), ``scaled`` (DCT-scaled whole image), ``full`` (the
-    whole image, as without ETL_CROP_DECODE) with why: ``disabled``, ``transforms`` (no leading crop or
-    resize), ``several_images``, ``not_jpeg``, ``colorspace``, ``mask_size``, ``pads``, ``no_gain``,
-    ``progressive``, ``no_region_decoder``, ``decoder`` (the partial decoder refused the file). Counted per
-    process.
+    ``window`` (only the crop's region, full scale), ``scaled`` (DCT-scaled whole image, only with
+    ``dct_scaling``), ``full`` (the whole image, as without ETL_CROP_DECODE) with why: ``disabled``,
+    ``transforms`` (no leading crop or resize), ``several_images``, ``not_jpeg``, ``colorspace``,
+    ``mask_size``, ``pads``, ``no_gain``, ``progressive``, ``no_region_decoder``, ``decoder`` (the partial
+    decoder refused the file). Counted per process.
     """
 
     def collect(self):

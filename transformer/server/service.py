@@ -133,7 +133,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     def _fqn_source(fqn: str, shard: str, object_name: str, uname: str | None = None):
         def make(rt: Runtime, deadline: float) -> Source:
-            return fqn_source(fqn, rt, deadline, shard=shard, object_name=object_name, uname=uname)
+            return fqn_source(fqn, rt.settings, rt.client, deadline, shard=shard, object_name=object_name,
+                              uname=uname)
 
         return make
 
@@ -295,7 +296,7 @@ async def _ws_request(ws: WebSocket, rt: Runtime, control: dict[str, Any], pipel
     deadline = time.monotonic() + rt.settings.obj_timeout
     if fqn:
         # Single-encoded in the ws JSON: resolve_fqn's one percent-decode is the only one.
-        source: Source = fqn_source(str(fqn), rt, deadline, shard=path, object_name=path)
+        source: Source = fqn_source(str(fqn), rt.settings, rt.client, deadline, shard=path, object_name=path)
     else:
         content = await ws.receive()
         if content["type"] == "websocket.disconnect":

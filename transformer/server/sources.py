@@ -15,16 +15,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, BinaryIO
+from typing import BinaryIO
 
 import httpx
 
+from ..config import Settings
 from ..errors import Cancelled, RequestError, UpstreamError
 from ..shards import readinto
 from .hops import https_hint, no_secret
-
-if TYPE_CHECKING:
-    from .jobs import Runtime
 
 log = logging.getLogger("transformer.server")
 
@@ -284,16 +282,15 @@ def shard_too_large(shard: str, size: int, limit: int) -> RequestError:
                         status=413)
 
 
-def fqn_source(raw: str, runtime: Runtime, deadline: float, *, shard: str, object_name: str,
-               uname: str | None = None) -> FileSource:
+def fqn_source(raw: str, settings: Settings, client: httpx.Client, deadline: float, *, shard: str,
+               object_name: str, uname: str | None = None) -> FileSource:
     """The input named by ``etl_fqn``: decoded, confined, size-limited, and chunk-checked when possible.
 
-    The chunk check needs the target (``AIS_TARGET_URL``); ``uname`` is the object's uname when the
-    request carries it exactly (hpull), otherwise it is derived from the FQN and ``object_name``.
+    The chunk check asks the target (``AIS_TARGET_URL``) with ``client``; ``uname`` is the object's uname
+    when the request carries it exactly (hpull), otherwise it is derived from the FQN and ``object_name``.
     """
     from .fqn import object_uname, path_escape, resolve_fqn
 
-    settings = runtime.settings
     path = resolve_fqn(raw, settings.fqn_roots)
     size = os.path.getsize(path)
     if size > settings.max_shard_bytes:
@@ -301,5 +298,5 @@ def fqn_source(raw: str, runtime: Runtime, deadline: float, *, shard: str, objec
     if not settings.ais_target_url:
         return FileSource(path)
     uname = uname or object_uname(path, object_name)
-    return ObjectFileSource(path, runtime.client, f"{settings.ais_target_url}/{path_escape(uname)}", deadline)
+    return ObjectFileSource(path, client, f"{settings.ais_target_url}/{path_escape(uname)}", deadline)
 
