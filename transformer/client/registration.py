@@ -225,9 +225,14 @@ def _register(client: Client, name: str, settings: EtlSettings, message: dict[st
         # AIS answers GET /v1/etl/<name> with 404 while the ETL is Aborted (stopped, or a pod died):
         # the proxy asks the targets for the details and they hold none. Start it to read its spec.
         log.info("ETL %s is stopped; starting it to compare its spec", name)
-        etl.start()
-        started = True
-        running = _registered_message(etl) or {}
+        try:
+            etl.start()
+            started = True
+            running = _registered_message(etl) or {}
+        except AISError as exc:  # its pods cannot run (a bad setting): nothing to keep, register anew
+            log.warning("ETL %s is stopped and does not start again (%s); deleting it and registering anew",
+                        name, _ais_message(exc.message)[0])
+            etl.delete()
     if running is not None:
         differences = _differences(running, message)
         if not differences:

@@ -1,0 +1,172 @@
+"""Nothing lost through AIS: a sample failing after the first byte, a pod killed mid-shard, a pod that will
+not start, and a shard over obj_timeout each end in an error that names the shard, never in a shorter
+shard taken as whole; AIS's own view (stage, errors, job) is what the documents say."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import requests
+
+from tests.ais.etl_cluster import EtlCluster
+from tests.shardgen import imagenet_like_members, make_tar
+from transformer.client import (
+    ErrorCounter,
+    EtlRequestError,
+    IncompleteShard,
+    make_loader,
+    open_shard,
+    register,
+    shard_samples,
+    shard_urls,
+    transform_bucket,
+    unregister,
+)
+
+from .conftest import owner_of, settings
+from .test_register import running_pods, stage, wait_stage
+
+pytestmark = [pytest.mark.ais, pytest.mark.ais_etl]
+BAD_AT, SAMPLES = 18, 24
+
+
+def failing_shard(samples: int = SAMPLES, bad: int = BAD_AT) -> bytes:
+    members = []
+    for name, data in imagenet_like_members(samples):
+        if name == f"sample-{bad:06d}.jpg":
+            data = data[:200]  # a JPEG cut short: a decode error for this sample only
+        members.append((name, data))
+    return make_tar(members)
+
+
+@pytest.fixture(scope="module")
+def failing(etl_client, etl_cluster: EtlCluster):
+    bucket = etl_client.bucket("fail-src")
+    bucket.create(exist_ok=True)
+    bucket.object("mid-fail.tar").get_writer().put_content(failing_shard())
+    for i in range(3):
+        bucket.object(f"good-{i}.tar").get_writer().put_content(make_tar(imagenet_like_members(4)))
+    names = {comm: f"fail-{comm}" for comm in ("hpush", "hpull", "ws")}
+    for comm, name in names.items():
+        register(etl_client, name, settings(comm))
+    yield names
+    for name in names.values():
+        unregister(etl_client, name)
+
+
+def raw_read(url: str) -> tuple[int, bytes] | str:
+    """What a plain HTTP client gets: (status, body), or the name of the error it raised."""
+    try:
+        response = requests.get(url, timeout=60)
+    except requests.RequestException as exc:
+        return type(exc).__name__
+    return response.status_code, response.content
+
+
+@pytest.mark.parametrize("comm", ["hpush", "hpull", "ws"])
+def test_sample_failing_after_the_first_byte_is_an_error_naming_the_shard(etl_client, failing, comm: str) -> None:
+    (url,) = shard_urls(etl_client, "fail-src", failing[comm], names=["mid-fail.tar"],
+                        etl_args={"on_error": "fail", "dtype": "uint8"})
+    # What AIS hands a reader (docs/contract.md): hpush, the tar so far and AIS's JSON error after it, in a
+    # 200 that ends cleanly; ws, the tar so far and the pod's JSON error (the sample named); hpull, the pod's
+    # own response cut short.
+    got = raw_read(url)
+    if comm == "hpull":
+        assert got == "ChunkedEncodingError"
+    else:
+        status, body = got
+        assert status == 200 and len(body) > 1_000_000
+        tail = body[-400:]
+        if comm == "hpush":
+            assert b'{"message":"unexpected EOF"' in tail and b'"status":400' in tail
+        else:
+            assert b"sample 'sample-000018'" in tail and b'"status": 422' in tail
+    with pytest.raises(IncompleteShard, match="mid-fail.tar"):
+        list(shard_samples(open_shard(url), url))
+    errors = ErrorCounter()
+    batches = list(make_loader([url], batch_size=4, keys=("npy", "cls"), num_workers=0, shuffle_buffer=0,
+                               errors=errors))
+    assert errors.count == 1
+    assert sum(len(batch[1]) for batch in batches) <= BAD_AT  # never the rest of the shard, never a duplicate
+    # AIS's view: the ETL keeps running; hpush records the object among the ETL's errors (ais etl show errors)
+    assert stage(etl_client, failing[comm]) == "Running"
+    recorded = [(e.obj_name, e.msg) for e in etl_client.etl(failing[comm]).view().obj_errors or []]
+    if comm == "hpush":
+        assert ("ais://fail-src/mid-fail.tar", "unexpected EOF") in recorded
+    else:
+        assert recorded == []
+
+
+@pytest.mark.parametrize("comm", ["hpush", "ws"])
+def test_offline_job_records_the_failing_object_and_stores_no_part_of_it(etl_client, etl_cluster: EtlCluster,
+                                                                        comm: str) -> None:
+    name = f"fail-off-{comm}"
+    register(etl_client, name, settings(comm, on_error="fail"))
+    try:
+        destination = f"fail-dst-{comm}"
+        job = transform_bucket(etl_client, name, "fail-src", destination, timeout=300,
+                               options={"preset": "imagenet-val", "dtype": "uint8", "seed": 7, "on_error": "fail"})
+        assert [n for n, _ in job.object_errors] == ["ais://fail-src/mid-fail.tar"], job.object_errors
+        message = job.object_errors[0][1]
+        assert "sample 'sample-000018'" in message or "mid-fail.tar" in message, message
+        stored = sorted(e.name for e in etl_client.bucket(destination).list_all_objects())
+        assert stored == ["good-0.tar", "good-1.tar", "good-2.tar"]
+    finally:
+        unregister(etl_client, name)
+
+
+def test_pod_killed_mid_shard_is_an_error_for_the_reader_and_aborts_the_etl(etl_client,
+                                                                          etl_cluster: EtlCluster) -> None:
+    name = "fail-killed"
+    bucket = etl_client.bucket("fail-big")
+    bucket.create(exist_ok=True)
+    bucket.object("big.tar").get_writer().put_content(make_tar(imagenet_like_members(160, extra=False)))
+    register(etl_client, name, settings("hpush"))
+    try:
+        (url,) = shard_urls(etl_client, "fail-big", name, names=["big.tar"], etl_args={"dtype": "uint8"})
+        owner = owner_of(etl_cluster, "fail-big", "big.tar")
+        pod = next(p for p in running_pods(etl_cluster, name) if p.host == f"198.51.100.1{owner + 1}")
+        samples = shard_samples(open_shard(url), url)
+        got = [next(samples) for _ in range(3)]  # the pod is mid-shard: its output far exceeds the socket buffers
+        etl_cluster.kube.oom_kill(pod)
+        with pytest.raises(IncompleteShard, match="big.tar") as caught:
+            for sample in samples:
+                got.append(sample)
+        assert len(got) < 160 and caught.value.samples == len(got)
+        wait_stage(etl_client, name, "Aborted")
+    finally:
+        unregister(etl_client, name)
+
+
+def test_pod_that_will_not_start_says_why_and_can_be_registered_again(etl_client, etl_cluster: EtlCluster) -> None:
+    name = "fail-nostart"
+    with pytest.raises(EtlRequestError) as caught:
+        register(etl_client, name, settings(env={"ETL_WINDOW": "zero"}))
+    message = str(caught.value)
+    assert "ETL_WINDOW" in message and "exitCode: 2" in message, message
+    assert stage(etl_client, name) == "Aborted"  # AIS keeps the failed ETL; register replaces it
+    fixed = register(etl_client, name, settings())
+    assert fixed.created and stage(etl_client, name) == "Running"
+    assert unregister(etl_client, name) and stage(etl_client, name) == ""
+
+
+def test_shard_over_obj_timeout_is_an_error_naming_the_shard(etl_client, etl_cluster: EtlCluster) -> None:
+    """A reader slower than obj_timeout allows (AIS's timeout covers the whole body): cut, never whole."""
+    name = "fail-timeout"
+    register(etl_client, name, settings("hpush", obj_timeout="3s"))
+    try:
+        bucket = etl_client.bucket("fail-slow")
+        bucket.create(exist_ok=True)
+        bucket.object("slow.tar").get_writer().put_content(make_tar(imagenet_like_members(40, extra=False)))
+        (url,) = shard_urls(etl_client, "fail-slow", name, names=["slow.tar"], etl_args={"dtype": "uint8"})
+        stream = open_shard(url)
+        delivered = 0
+        with pytest.raises(IncompleteShard, match="slow.tar"):
+            for _ in shard_samples(stream, url):
+                delivered += 1
+                time.sleep(0.25)  # 40 samples at 4 per second: 10 s, over the 3 s obj_timeout
+        assert delivered < 40
+        assert stage(etl_client, name) == "Running"
+    finally:
+        unregister(etl_client, name)
