@@ -52,6 +52,7 @@ from websockets.exceptions import InvalidState
 
 from ..engine import Write
 from ..errors import Cancelled, TransformerError, UpstreamError
+from ..redact import redact_bytes
 from .protocols import FragmentingWebSocketProtocol, encrypted
 
 log = logging.getLogger("transformer.server")
@@ -314,6 +315,8 @@ def error_answer(error: BaseException) -> tuple[int, bytes]:
 
 
 async def _send_whole(send: Callable, status: int, body: bytes, headers: dict[str, str]) -> None:
+    if status >= 400:  # our error, or a next hop's or a destination's relayed: AIS shows it to its users
+        body = redact_bytes(body)
     raw_headers = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
     if status != 204:
         raw_headers.append((b"content-type", b"text/plain; charset=utf-8"))
