@@ -61,11 +61,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .config import Settings
-    from .redact import configure, install_logging, uvicorn_log_config
+    from .config import Settings, write_termination_log
+    from .redact import configure, install_logging, redact, uvicorn_log_config
 
     configure(os.environ.get("AIS_TARGET_URL", ""))  # before anything is written: the ETL secret stays out
-    settings = Settings.from_env()  # fail fast, before binding the port, on a bad setting
+    try:
+        settings = Settings.from_env()  # fail fast, before binding the port, on a bad setting
+    except TransformerError as exc:
+        # Kubernetes shows the termination log in the container status; AIS prints it when init fails.
+        write_termination_log(redact(f"wds-transform serve: {exc.message}"))
+        raise
     install_logging(settings.ais_target_url)
 
     import uvicorn
