@@ -11,6 +11,7 @@ import io
 import logging
 import logging.config
 import threading
+import warnings
 from collections.abc import Iterator
 
 import httpx
@@ -31,6 +32,7 @@ def masking() -> Iterator[None]:
         yield
     finally:
         logging.setLogRecordFactory(saved[0])
+        logging.captureWarnings(False)
         threading.excepthook = saved[1]
         redact._secrets, redact._base_factory = saved[2], saved[3]
         for logger in [logging.getLogger()] + list(logging.root.manager.loggerDict.values()):
@@ -142,3 +144,12 @@ def test_an_unhandled_thread_exception_is_logged_masked(masking: None) -> None:
     text = stream.getvalue()
     assert "unhandled exception in thread worker" in text and "RuntimeError: boom" in text
     assert SECRET not in text
+
+
+def test_warnings_are_logged_masked(masking: None) -> None:
+    _, stream = _captured("py.warnings")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        logging.captureWarnings(True)  # catch_warnings restored the hook install_logging set
+        warnings.warn(f"retrying {TARGET}/z", UserWarning, stacklevel=1)
+    assert "UserWarning: retrying" in stream.getvalue() and SECRET not in stream.getvalue()

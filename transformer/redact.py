@@ -140,8 +140,8 @@ def install_logging(ais_target_url: str) -> None:
 
     The record factory masks each record as it is made (also those of loggers that do not propagate,
     and of handlers added later); every handler present gets a ``RedactFilter`` as well, for records
-    that reach it another way. Unhandled exceptions of threads are logged, masked, rather than printed.
-    Idempotent.
+    that reach it another way. Warnings and unhandled exceptions of threads are logged, masked, rather
+    than printed. Idempotent.
     """
     global _base_factory
     configure(ais_target_url)
@@ -150,6 +150,7 @@ def install_logging(ais_target_url: str) -> None:
             _base_factory = logging.getLogRecordFactory()
             logging.setLogRecordFactory(_factory)
     add_filter_to_handlers()
+    logging.captureWarnings(True)  # warnings, too, become (masked) log records
     if threading.excepthook is threading.__excepthook__:
         threading.excepthook = _log_thread_exception
 

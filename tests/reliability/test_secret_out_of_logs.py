@@ -132,6 +132,20 @@ def test_hpull_fetch_and_its_failures(pod: DebugPod, http: httpx.Client, target:
     pod.assert_clean(missing.content, refused.content, reset.content)
 
 
+def test_an_upstream_error_body_is_masked_before_it_is_shortened(pod: DebugPod, http: httpx.Client,
+                                                                  target: HeadAwareTarget) -> None:
+    # Only the first 300 characters of a target's error are kept: cut after masking, or a cut inside an
+    # escaped secret (no marker to recognise it by) would leave its first characters.
+    escaped = f"%2Fv1%2Fetl%2F_object%2F{ETL_NAME}%2F{SECRET}%2Fais"
+    body = ("x" * (300 - escaped.index(SECRET) - 6) + escaped).encode()
+    target.objects["ais/@#/src/long.tar"] = SHARD
+    target.set_fault("ais/@#/src/long.tar", Fault(status=500, body=body))
+    response = http.get(f"/{escaped_uname('src', 'long.tar')}")
+    assert response.status_code == 502 and "xxxxxxxx" in response.text
+    assert SECRET[:6] not in response.text, response.text
+    pod.assert_clean(response.content)
+
+
 def test_hpull_fetch_cut_after_the_response_began(pod: DebugPod, debug_service: Service,
                                                   target: HeadAwareTarget) -> None:
     # The pod aborts its answer; uvicorn logs the reason, with a traceback.

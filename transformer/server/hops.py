@@ -158,7 +158,7 @@ def put_stream(
                 return response
             response.read()
             response.close()
-            error = UpstreamError(f"PUT {_short(url)}: {response.status_code} {response.text[:300]}",
+            error = UpstreamError(f"PUT {_short(url)}: {response.status_code} {redact(response.text)[:300]}",
                                   response.status_code, response.content)
         if consumed and not replayable:
             raise _transient(url, error)

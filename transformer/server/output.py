@@ -361,7 +361,7 @@ class WsReply:
                 return final
             case Final(status=status, body=body):
                 raise UpstreamError(f"ws request {self.path!r}: next hop answered {status}: "
-                                    f"{body[:300].decode('utf-8', 'replace')}", status)
+                                    f"{redact_bytes(body)[:300].decode('utf-8', 'replace')}", status)
 
     async def _chunks(self) -> AsyncIterator[bytes | memoryview]:
         chunk = self._first
