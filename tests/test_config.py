@@ -234,16 +234,21 @@ def test_serve_stops_at_start_up_on_a_certificate_without_its_key(tls_files: Tls
     assert "invalid setting AIS_CRT_KEY: is required with AIS_CRT" in result.stderr
 
 
-def test_serve_writes_why_it_stopped_to_the_termination_log(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("setting", "message"), [
+    ({"ETL_DTYPE": "float64"}, "invalid setting ETL_DTYPE: 'float64' is not one of float32, float16, uint8"),
+    ({"AIS_CRT": "/nonexistent/crt.pem", "AIS_CRT_KEY": "/nonexistent/key.pem"},
+     "invalid setting AIS_CRT: cannot read '/nonexistent/crt.pem': No such file or directory"),
+], ids=["bad value", "unreadable certificate"])
+def test_serve_writes_why_it_stopped_to_the_termination_log(setting: dict[str, str], message: str,
+                                                            tmp_path: Path) -> None:
     # Kubernetes puts this file in the container status, and AIS prints it in `ais etl init`'s error.
     why = tmp_path / "termination-log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ETL_", "AIS_"))}
-    env.update(ETL_DTYPE="float64", ETL_TERMINATION_LOG=str(why),
+    env.update(setting, ETL_TERMINATION_LOG=str(why),
                AIS_TARGET_URL="http://10.0.0.5:51081/v1/etl/_object/wds-etl/Ab3dEf9hIjK")
     result = subprocess.run([sys.executable, "-m", "transformer", "serve", "--port", "1"], env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    message = "invalid setting ETL_DTYPE: 'float64' is not one of float32, float16, uint8"
     assert message in result.stderr
     assert why.read_text() == f"wds-transform serve: {message}"
 
