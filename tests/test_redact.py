@@ -7,6 +7,7 @@ and that records of loggers that do not propagate, and of handlers added later, 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import logging.config
@@ -153,3 +154,16 @@ def test_warnings_are_logged_masked(masking: None) -> None:
         logging.captureWarnings(True)  # catch_warnings restored the hook install_logging set
         warnings.warn(f"retrying {TARGET}/z", UserWarning, stacklevel=1)
     assert "UserWarning: retrying" in stream.getvalue() and SECRET not in stream.getvalue()
+
+
+def test_an_unprintable_argument_does_not_break_the_log_call(masking: None) -> None:
+    class Unprintable:
+        def __str__(self) -> str:
+            raise RuntimeError("no")
+
+    logger, stream = _captured("some.caller", propagate=False)  # (pytest's own handler re-raises)
+    errors = io.StringIO()
+    with contextlib.redirect_stderr(errors):
+        logger.info("value %s and %s", Unprintable(), f"{TARGET}/w")  # the handler reports it, as always
+    assert "RuntimeError: no" in errors.getvalue() and "/wds-etl/***/w" in errors.getvalue()
+    assert SECRET not in errors.getvalue() + stream.getvalue()

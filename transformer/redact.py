@@ -19,6 +19,7 @@ changes nothing; ``configure`` and ``install_logging`` do.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
@@ -87,10 +88,7 @@ def redact_record(record: logging.LogRecord) -> None:
     if isinstance(record.msg, str):
         record.msg = redact(record.msg)
     elif record.msg is not None:
-        shown = str(record.msg)
-        masked = redact(shown)
-        if masked != shown:
-            record.msg = masked
+        record.msg = _redact_arg(record.msg)
     if isinstance(record.args, tuple):
         record.args = tuple(_redact_arg(arg) for arg in record.args)
     elif isinstance(record.args, dict):
@@ -109,7 +107,10 @@ def _redact_arg(arg: object) -> object:
         return arg  # may be formatted with %d or %f; holds no URL
     if isinstance(arg, bytes):
         return redact_bytes(arg)
-    shown = arg if isinstance(arg, str) else str(arg)
+    try:
+        shown = arg if isinstance(arg, str) else str(arg)
+    except Exception:  # unprintable: the handler reports that, showing nothing of it
+        return arg
     masked = redact(shown)
     return arg if masked == shown else masked  # an httpx.URL holding the secret becomes its masked text
 
@@ -131,7 +132,8 @@ _base_factory = None
 
 def _factory(*args, **kwargs) -> logging.LogRecord:
     record = _base_factory(*args, **kwargs)
-    redact_record(record)
+    with contextlib.suppress(Exception):  # a log call must never fail here; the handlers' filter masks again
+        redact_record(record)
     return record
 
 
