@@ -13,7 +13,14 @@ import pytest
 
 from tests.tlscerts import TlsFiles, make_tls_files
 from transformer import config
-from transformer.config import VARIABLES, Settings, available_cpus, parse_duration, settings_table
+from transformer.config import (
+    VARIABLES,
+    Settings,
+    available_cpus,
+    parse_duration,
+    settings_table,
+    write_termination_log,
+)
 from transformer.engine import ERROR_MANIFEST_NAME
 from transformer.errors import ConfigError
 from transformer.spec import build_pipeline
@@ -66,6 +73,7 @@ def test_every_variable_is_read(tls_files: TlsFiles) -> None:
         "ETL_HOST": "127.0.0.1",
         "ETL_PORT": "8123",
         "ETL_LOG_LEVEL": "DEBUG",
+        "ETL_TERMINATION_LOG": "/tmp/why",
         "AIS_TARGET_URL": "http://target:8080/v1/etl/_object/x/SECRET/",
         "AIS_CRT": str(tls_files.client_cert),
         "AIS_CRT_KEY": str(tls_files.client_key),
@@ -85,6 +93,7 @@ def test_every_variable_is_read(tls_files: TlsFiles) -> None:
     assert s.error_manifest is False and s.direct_send is False and s.crop_decode is False
     assert s.dct_scaling is True
     assert (s.keepalive, s.host, s.port, s.log_level) == (7, "127.0.0.1", 8123, "debug")
+    assert s.termination_log == "/tmp/why"
     assert s.ais_target_url == "http://target:8080/v1/etl/_object/x/SECRET"
     assert (s.ais_crt, s.ais_crt_key, s.ais_client_ca) == (env["AIS_CRT"], env["AIS_CRT_KEY"], env["AIS_CLIENT_CA"])
     assert s.ais_skip_verify is True
@@ -225,6 +234,41 @@ def test_serve_stops_at_start_up_on_a_certificate_without_its_key(tls_files: Tls
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "invalid setting AIS_CRT_KEY: is required with AIS_CRT" in result.stderr
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ({"ETL_DTYPE": "float64"}, "invalid setting ETL_DTYPE: 'float64' is not one of float32, float16, uint8"),
+    ({"AIS_CRT": "/nonexistent/crt.pem", "AIS_CRT_KEY": "/nonexistent/key.pem"},
+     "invalid setting AIS_CRT: cannot read '/nonexistent/crt.pem': No such file or directory"),
+], ids=["bad value", "unreadable certificate"])
+def test_serve_writes_why_it_stopped_to_the_termination_log(setting: dict[str, str], message: str,
+                                                            tmp_path: Path) -> None:
+    # Kubernetes puts this file in the container status, and AIS prints it in `ais etl init`'s error.
+    why = tmp_path / "termination-log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ETL_", "AIS_"))}
+    env.update(setting, ETL_TERMINATION_LOG=str(why),
+               AIS_TARGET_URL="http://10.0.0.5:51081/v1/etl/_object/wds-etl/Ab3dEf9hIjK")
+    result = subprocess.run([sys.executable, "-m", "transformer", "serve", "--port", "1"], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert why.read_text() == f"wds-transform serve: {message}"
+
+
+def test_the_termination_log_is_written_only_where_kubernetes_made_it(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    default = tmp_path / "dev" / "termination-log"
+    monkeypatch.setitem(VARIABLES, "ETL_TERMINATION_LOG", (str(default), VARIABLES["ETL_TERMINATION_LOG"][1]))
+    assert write_termination_log("why", {}) is False  # the default path, absent: not created
+    assert not default.parent.exists()
+    default.parent.mkdir()
+    default.touch()
+    assert write_termination_log("why", {}) is True and default.read_text() == "why"
+    chosen = tmp_path / "chosen.log"
+    assert write_termination_log("x" * 5000, {"ETL_TERMINATION_LOG": str(chosen)}) is True
+    assert chosen.read_text() == "x" * 4096  # what Kubernetes keeps
+    unwritable = {"ETL_TERMINATION_LOG": str(tmp_path / "no" / "such" / "folder" / "log")}
+    assert write_termination_log("why", unwritable) is False  # never an error of its own
 
 
 def test_environment_transforms_are_validated_and_kept_parsed() -> None:

@@ -54,17 +54,29 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _COMMANDS[args.command](args)
     except TransformerError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
+        from .redact import redact
+
+        print(f"error: {redact(exc.message)}", file=sys.stderr)
         return 2
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from .config import Settings, write_termination_log
+    from .redact import configure, install_logging, redact, uvicorn_log_config
+
+    configure(os.environ.get("AIS_TARGET_URL", ""))  # before anything is written: the ETL secret stays out
+    try:
+        settings = Settings.from_env()  # fail fast, before binding the port, on a bad setting
+    except TransformerError as exc:
+        # Kubernetes shows the termination log in the container status; AIS prints it when init fails.
+        write_termination_log(redact(f"wds-transform serve: {exc.message}"))
+        raise
+    install_logging(settings.ais_target_url)
+
     import uvicorn
 
-    from .config import Settings
     from .server.protocols import DirectSendProtocol, FragmentingWebSocketProtocol
 
-    settings = Settings.from_env()  # fail fast, before binding the port, on a bad setting
     uvicorn.run(
         "transformer.server:create_app",
         factory=True,
@@ -89,6 +101,7 @@ def _serve(args: argparse.Namespace) -> int:
         # uncompressed frames, so it also stays off with a compressing client.)
         ws_per_message_deflate=False,
         log_level=settings.log_level,
+        log_config=uvicorn_log_config(),  # uvicorn's own, with the ETL secret masked in each handler
         access_log=settings.log_level == "debug",
         timeout_graceful_shutdown=int(settings.obj_timeout),
     )

@@ -56,6 +56,9 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "ETL_HOST": ("0.0.0.0", "Listen address (AIS requires 0.0.0.0)."),
     "ETL_PORT": ("8000", "Listen port (AIS requires 8000)."),
     "ETL_LOG_LEVEL": ("info", "Log level: debug, info, warning, error."),
+    "ETL_TERMINATION_LOG": ("/dev/termination-log", "File `serve` writes the reason into when it cannot start (a bad "
+                            "setting), for Kubernetes to show in the container status and AIS in `ais etl init`'s "
+                            "error; written only if it exists or the variable is set."),
     "AIS_TARGET_URL": ("", "Set by AIS: the target's ETL object endpoint (hpull fetch, direct put)."),
     "AIS_CRT": ("", "Client certificate (PEM file) the pod presents to AIS targets over https (hpull fetch, "
                 "direct put): mutual TLS. Needs AIS_CRT_KEY."),
@@ -127,6 +130,7 @@ class Settings:
     host: str = "0.0.0.0"
     port: int = 8000
     log_level: str = "info"
+    termination_log: str = "/dev/termination-log"
     ais_target_url: str = ""
     ais_crt: str = ""
     ais_crt_key: str = ""
@@ -237,6 +241,7 @@ class Settings:
             host=get("ETL_HOST"),
             port=port,
             log_level=level,
+            termination_log=get("ETL_TERMINATION_LOG"),
             ais_target_url=get("AIS_TARGET_URL").rstrip("/"),
             ais_crt=get("AIS_CRT"),
             ais_crt_key=get("AIS_CRT_KEY"),
@@ -316,6 +321,31 @@ def _verifying_context(ca: str) -> ssl.SSLContext:
         return ssl.create_default_context(capath=ca) if os.path.isdir(ca) else ssl.create_default_context(cafile=ca)
     except ssl.SSLError as exc:
         raise ConfigError("AIS_CLIENT_CA", f"'{ca}' holds no usable PEM CA certificate ({exc})") from None
+
+
+def write_termination_log(message: str, environ: Mapping[str, str] | None = None) -> bool:
+    """Write why the pod could not start to ``ETL_TERMINATION_LOG``; True when written.
+
+    Kubernetes puts that file's content (default path ``/dev/termination-log``, the pod spec's
+    ``terminationMessagePath``) in the container's status, and AIS prints it in ``ais etl init``'s
+    error. The default path is written only when the file exists (Kubernetes creates it in a
+    container), so a local run never creates ``/dev/termination-log``; a path set in the variable is
+    written when its folder exists. Read straight from the environment: the settings themselves may be
+    what failed. Never raises: a file that cannot be written must not hide the reason.
+    """
+    env = os.environ if environ is None else environ
+    name = "ETL_TERMINATION_LOG"
+    path = env.get(name, "").strip()
+    if not path:
+        path = VARIABLES[name][0]
+        if not os.path.isfile(path):
+            return False
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(message.encode("utf-8")[:4096].decode("utf-8", "ignore"))  # Kubernetes keeps 4096 bytes
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def settings_table() -> str:

@@ -21,6 +21,7 @@ from urllib.parse import quote, urlsplit
 import httpx
 
 from ..errors import RequestError, UpstreamError
+from ..redact import redact
 
 HEADER_NODE_URL = "Ais-Node-Url"
 HEADER_DIRECT_PUT_LENGTH = "Ais-Direct-Put-Length"
@@ -157,7 +158,7 @@ def put_stream(
                 return response
             response.read()
             response.close()
-            error = UpstreamError(f"PUT {_short(url)}: {response.status_code} {response.text[:300]}",
+            error = UpstreamError(f"PUT {_short(url)}: {response.status_code} {redact(response.text)[:300]}",
                                   response.status_code, response.content)
         if consumed and not replayable:
             raise _transient(url, error)
@@ -206,15 +207,10 @@ def https_hint(url: str, exc: BaseException) -> str:
 def no_secret(url: str) -> str:
     """A URL fit for logs and error bodies: the ETL secret in an AIS target's ETL object path is masked.
 
-    ``<marker><etl name>/<secret>/<uname>``: the secret opens every object of the cluster.
+    ``<marker><etl name>/<secret>/<uname>``: the secret opens every object of the cluster
+    (``transformer.redact``, which also masks it in every log line and error body).
     """
-    marker = "/v1/etl/_object/"
-    if marker in url:
-        head, tail = url.split(marker, 1)
-        pieces = tail.split("/", 2)
-        if len(pieces) == 3:
-            return f"{head}{marker}{pieces[0]}/***/{pieces[2]}"
-    return url
+    return redact(url)
 
 
 def _short(url: str) -> str:

@@ -52,6 +52,7 @@ from websockets.exceptions import InvalidState
 
 from ..engine import Write
 from ..errors import Cancelled, TransformerError, UpstreamError
+from ..redact import redact_bytes
 from .protocols import FragmentingWebSocketProtocol, encrypted
 
 log = logging.getLogger("transformer.server")
@@ -314,6 +315,8 @@ def error_answer(error: BaseException) -> tuple[int, bytes]:
 
 
 async def _send_whole(send: Callable, status: int, body: bytes, headers: dict[str, str]) -> None:
+    if status >= 400:  # our error, or a next hop's or a destination's relayed: AIS shows it to its users
+        body = redact_bytes(body)
     raw_headers = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
     if status != 204:
         raw_headers.append((b"content-type", b"text/plain; charset=utf-8"))
@@ -358,7 +361,7 @@ class WsReply:
                 return final
             case Final(status=status, body=body):
                 raise UpstreamError(f"ws request {self.path!r}: next hop answered {status}: "
-                                    f"{body[:300].decode('utf-8', 'replace')}", status)
+                                    f"{redact_bytes(body)[:300].decode('utf-8', 'replace')}", status)
 
     async def _chunks(self) -> AsyncIterator[bytes | memoryview]:
         chunk = self._first

@@ -27,6 +27,7 @@ from ..config import Settings
 from ..engine import TransformPool
 from ..errors import Cancelled, RequestError, TransformerError
 from ..options import forwarded_etl_args, parse_etl_args
+from ..redact import install_logging, redact
 from .hops import HEADER_NODE_URL, parse_node_url
 from .jobs import Runtime, ShardJob, ShardRequest
 from .metrics import Metrics
@@ -40,6 +41,7 @@ log = logging.getLogger("transformer.server")
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings.from_env()
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_logging(settings.ais_target_url)  # the ETL secret is masked in every log line and error body
     state: dict[str, Runtime] = {}
 
     @contextlib.asynccontextmanager
@@ -190,7 +192,7 @@ class ShardResponse(Response):
 
 
 def _error(exc: TransformerError) -> Response:
-    return PlainTextResponse(exc.message, status_code=exc.status)
+    return PlainTextResponse(redact(exc.message), status_code=exc.status)
 
 
 # ------------------------------------------------------------------------------------------ websocket
@@ -275,7 +277,7 @@ def ws_error_body(path: str, exc: BaseException) -> bytes:
     """
     status = exc.status if isinstance(exc, TransformerError) else 400
     message = exc.message if isinstance(exc, TransformerError) else str(exc)
-    return json.dumps({"message": message, "status": status, "object": path}).encode()
+    return json.dumps({"message": redact(message), "status": status, "object": path}).encode()
 
 
 def _control_message(message: dict[str, Any]) -> dict[str, Any] | None:

@@ -21,6 +21,7 @@ import httpx
 
 from ..config import Settings
 from ..errors import Cancelled, RequestError, UpstreamError
+from ..redact import redact
 from ..shards import readinto
 from .hops import https_hint, no_secret
 
@@ -67,7 +68,7 @@ class HttpSource(Source):
                 if r.status_code != 200:
                     r.read()
                     status = 404 if r.status_code == 404 else 502
-                    raise UpstreamError(f"GET {no_secret(self.url)}: {r.status_code} {r.text[:300]}", status)
+                    raise UpstreamError(f"GET {no_secret(self.url)}: {r.status_code} {redact(r.text)[:300]}", status)
                 yield IteratorReader(r.iter_raw())
         except httpx.TimeoutException as exc:
             raise UpstreamError(f"GET {no_secret(self.url)}: timed out ({exc.__class__.__name__})", 504) from None
