@@ -1,0 +1,84 @@
+"""What the contract fakes claim about AIS, checked once against the real target: the hpull 307 redirect to
+``hostIP:nodePort``, a two-ETL pipeline inline and offline (the hops), and no ETL secret in any pod log."""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import urlsplit
+
+import pytest
+import requests
+
+from tests.ais.etl_cluster import EtlCluster
+from tests.shardgen import read_output
+from transformer.client import etl_logs, register, shard_urls, transform_bucket, unregister
+
+from .conftest import put_shards, settings
+
+pytestmark = [pytest.mark.ais, pytest.mark.ais_etl]
+SHARDS = [f"c-{i:03d}.tar" for i in range(6)]
+OPTIONS = {"preset": "imagenet-val", "dtype": "uint8", "seed": 7}
+
+
+@pytest.fixture(scope="module")
+def pair(etl_client, etl_cluster: EtlCluster):
+    put_shards(etl_client, "contract-src", SHARDS, 4)
+    names = {"a": "pipe-a", "b": "pipe-b", "pull": "pipe-pull", "ws": "pipe-ws"}
+    register(etl_client, names["a"], settings("hpush", env={"ETL_LOG_LEVEL": "debug"}))
+    register(etl_client, names["b"], settings("hpush", env={"ETL_LOG_LEVEL": "debug"}))
+    register(etl_client, names["pull"], settings("hpull", env={"ETL_LOG_LEVEL": "debug"}))
+    register(etl_client, names["ws"], settings("ws", env={"ETL_LOG_LEVEL": "debug"}))
+    yield names
+    for name in names.values():
+        unregister(etl_client, name)
+
+
+def test_hpull_inline_read_is_a_307_to_the_pod_on_the_targets_node(etl_client, etl_cluster: EtlCluster, pair) -> None:
+    (url,) = shard_urls(etl_client, "contract-src", pair["pull"], names=[SHARDS[0]])
+    first = requests.get(url, allow_redirects=False, timeout=30)  # the proxy sends the reader to a target
+    assert first.status_code in (301, 307), first.status_code
+    second = requests.get(first.headers["Location"], allow_redirects=False, timeout=30)
+    assert second.status_code == 307, second.status_code
+    pods = {(pod.host, pod.port) for pod in etl_cluster.kube.pods_of(pair["pull"])}
+    location = urlsplit(second.headers["Location"])
+    assert (location.hostname, location.port) in pods  # status.hostIP : the service's nodePort
+    assert "etl_fqn=" in location.query
+    read_output(requests.get(second.headers["Location"], timeout=60).content)
+
+
+def test_pipeline_inline_and_offline(etl_client, pair) -> None:
+    """A >> B: the target sends A the object and B's address (Ais-Node-Url); A's output goes to B."""
+    (alone,) = shard_urls(etl_client, "contract-src", pair["a"], names=[SHARDS[1]])
+    (piped,) = shard_urls(etl_client, "contract-src", pair["a"], names=[SHARDS[1]], pipeline=[pair["b"]])
+    single = requests.get(alone, timeout=60).content
+    both = requests.get(piped, timeout=60).content
+    assert read_output(both) == read_output(single)  # B passes A's arrays and labels through byte-exact
+    job = transform_bucket(etl_client, pair["a"], "contract-src", "contract-piped", options=OPTIONS,
+                           pipeline=[pair["b"]], timeout=300)
+    assert job.success and not job.object_errors, job
+    for shard in SHARDS:
+        data = etl_client.bucket("contract-piped").object(shard).get_reader().read_all()
+        assert read_output(data), shard
+
+
+def test_no_secret_in_any_pod_log(etl_client, etl_cluster: EtlCluster, pair) -> None:
+    """After inline reads (hpush: the size check on the target; hpull; ws), an offline copy with direct puts
+    and a pipeline, no log line of any pod holds its ETL secret or its full AIS_TARGET_URL (read through
+    AIS, as ``ais etl view-logs`` shows them)."""
+    for comm in ("a", "pull", "ws"):
+        for url in shard_urls(etl_client, "contract-src", pair[comm], prefix=""):
+            read_output(requests.get(url, timeout=60).content)
+    transform_bucket(etl_client, pair["ws"], "contract-src", "contract-ws-copy", options=OPTIONS, timeout=300)
+    transform_bucket(etl_client, pair["a"], "contract-src", "contract-a-copy", options=OPTIONS, timeout=300)
+    for name in pair.values():
+        pods = etl_cluster.kube.pods_of(name)
+        env = {e["name"]: e["value"] for e in pods[0].obj["spec"]["containers"][0]["env"]}
+        target_url = env["AIS_TARGET_URL"]
+        secret = target_url.rsplit("/", 1)[1]
+        assert re.fullmatch(r"[\w-]{6,}", secret), target_url
+        logs = etl_logs(etl_client, name)
+        assert len(logs) == 2 and all("HTTP Request" in text or "DEBUG" in text for text in logs.values()), name
+        for target, text in logs.items():
+            assert secret not in text, f"ETL {name}: the secret is in the log of the pod on {target}"
+            assert target_url not in text
+            assert "/v1/etl/_object/" + name + "/***" in text or name == "pipe-ws"
