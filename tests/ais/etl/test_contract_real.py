@@ -77,8 +77,10 @@ def test_no_secret_in_any_pod_log(etl_client, etl_cluster: EtlCluster, pair) -> 
         secret = target_url.rsplit("/", 1)[1]
         assert re.fullmatch(r"[\w-]{6,}", secret), target_url
         logs = etl_logs(etl_client, name)
-        assert len(logs) == 2 and all("HTTP Request" in text or "DEBUG" in text for text in logs.values()), name
+        assert len(logs) == 2, name
         for target, text in logs.items():
             assert secret not in text, f"ETL {name}: the secret is in the log of the pod on {target}"
             assert target_url not in text
-            assert "/v1/etl/_object/" + name + "/***" in text or name == "pipe-ws"
+        if name != pair["b"]:  # B gets its input from A, never from a target: it has nothing to log here
+            # the pods did log the requests that carry the secret (the size check on each etl_fqn), masked
+            assert any(f"/v1/etl/_object/{name}/***" in text for text in logs.values()), name

@@ -1,0 +1,193 @@
+"""The cost AIS adds: the same shards through a real AIS target (inline hpush, inline ws, an offline copy)
+beside the same pods driven directly, side by side in one run.
+
+The cluster is the tests' real AIS with ETL (``tests/ais/etl_cluster.py``: a proxy and two targets in
+Kubernetes mode, each ETL pod a local ``wds-transform serve``, all in a network namespace of this
+process; needs root or an unprivileged user namespace, and Go for the first aisnode build). Cases, in
+an order rotated every round:
+
+* ``direct``: each shard sent to the pod on the target that stores it, as that target does it (hpush
+  ``PUT`` with ``etl_fqn``), no AIS in the path: the pod's own cost;
+* ``inline-hpush`` / ``inline-ws``: a reader GETs each shard through the proxy with ``etl_name``
+  (redirected to the target, which asks its pod and relays the body);
+* ``offline``: one bucket-to-bucket job (``etl-bck``) writing every shard to another bucket.
+
+Each case reads every shard with two concurrent readers and reports images/s and CPU per image: the
+CPU seconds of the pods, of aisnode (proxy and targets), and of the reader, over the images.
+
+    python -m bench.through_ais [--shards 8] [--samples 64] [--rounds 3] [--out bench/results/through-ais]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from urllib.parse import quote
+
+import requests
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.shardgen import imagenet_like_members, make_tar  # noqa: E402 - needs the repo root on sys.path
+
+CASES = ("direct", "inline-hpush", "inline-ws", "offline")
+ARGS = {"preset": "imagenet-train", "dtype": "float32", "seed": 5}
+
+
+def cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _fqn(mountpath: Path, bucket: str, name: str) -> str:
+    return str(mountpath / "@ais" / bucket / "%ob" / name)
+
+
+def measure(cluster, client, *, shards: int = 8, samples: int = 64, rounds: int = 3, progress=print) -> dict:
+    """Run every case ``rounds`` times on ``shards`` shards of ``samples`` ImageNet-sized JPEGs."""
+    from aistore.sdk.etl import ETLConfig
+
+    from tests.ais.etl.conftest import settings
+    from transformer.client import register, transform_bucket, unregister
+
+    names = [f"bench-{i:04d}.tar" for i in range(shards)]
+    bucket = client.bucket("bench-src")
+    bucket.create(exist_ok=True)
+    for index, name in enumerate(names):
+        members = [(f"s{index}-{member}", data) for member, data in imagenet_like_members(samples, extra=False)]
+        bucket.object(name).get_writer().put_content(make_tar(members))
+    etls = {"hpush": "bench-hpush", "ws": "bench-ws"}
+    kwargs = {"preset": ARGS["preset"], "dtype": ARGS["dtype"], "seed": ARGS["seed"], "workers": None,
+              "obj_timeout": "300s"}
+    for comm, etl in etls.items():
+        register(client, etl, settings(comm, **kwargs))
+    args = json.dumps(ARGS, separators=(",", ":"))
+    owners = {}
+    for name in names:
+        owners[name] = next(i for i, mp in enumerate(cluster.mountpaths) if Path(_fqn(mp, "bench-src", name)).is_file())
+    pods = {etl: {pod.host: pod for pod in cluster.kube.pods_of(etl)} for etl in etls.values()}
+
+    def direct(name: str) -> int:
+        owner = owners[name]
+        pod = pods[etls["hpush"]][f"198.51.100.1{owner + 1}"]
+        fqn = quote(quote(_fqn(cluster.mountpaths[owner], "bench-src", name), safe=""), safe="")
+        url = f"http://{pod.host}:{pod.port}/bench-src/{name}?etl_fqn={fqn}&etl_args={quote(args, safe='')}"
+        with requests.put(url, data=b"", stream=True, timeout=300) as response:
+            response.raise_for_status()
+            return sum(len(chunk) for chunk in response.iter_content(1 << 20))
+
+    def inline(etl: str):
+        def read(name: str) -> int:
+            reader = bucket.object(name).get_reader(etl=ETLConfig(etl, args=args))
+            return len(reader.read_all())
+        return read
+
+    readers = {"direct": direct, "inline-hpush": inline(etls["hpush"]), "inline-ws": inline(etls["ws"])}
+    processes = [pod.process.pid for group in pods.values() for pod in group.values()]
+    ais = [node.process.pid for node in cluster.nodes()]
+    rows = []
+    try:
+        for round_ in range(rounds):
+            order = CASES[round_ % len(CASES):] + CASES[:round_ % len(CASES)]
+            for case in order:
+                before_pods = sum(cpu_seconds(pid) for pid in processes)
+                before_ais = sum(cpu_seconds(pid) for pid in ais)
+                before_self = time.process_time()
+                started = time.perf_counter()
+                if case == "offline":
+                    destination = f"bench-dst-{round_}"
+                    job = transform_bucket(client, etls["hpush"], "bench-src", destination, timeout=1800,
+                                           options={k: ARGS[k] for k in ("preset", "dtype", "seed")})
+                    assert job.success and not job.object_errors, job
+                    out = sum(len(client.bucket(destination).object(n).get_reader().read_all()) for n in [names[0]])
+                else:
+                    with ThreadPoolExecutor(2) as pool:
+                        out = sum(pool.map(readers[case], names))
+                seconds = time.perf_counter() - started
+                images = shards * samples
+                row = {"case": case, "round": round_, "seconds": seconds, "images_per_s": images / seconds,
+                       "pod_cpu_ms_per_image": 1000 * (sum(cpu_seconds(p) for p in processes) - before_pods) / images,
+                       "ais_cpu_ms_per_image": 1000 * (sum(cpu_seconds(p) for p in ais) - before_ais) / images,
+                       "reader_cpu_ms_per_image": 1000 * (time.process_time() - before_self) / images,
+                       "bytes_out_first": out}
+                progress(f"round {round_ + 1}/{rounds} {case:13s} {row['images_per_s']:7.1f} images/s, "
+                         f"pod {row['pod_cpu_ms_per_image']:.2f} + AIS {row['ais_cpu_ms_per_image']:.2f} + "
+                         f"reader {row['reader_cpu_ms_per_image']:.2f} CPU ms/image")
+                rows.append(row)
+    finally:
+        for etl in etls.values():
+            unregister(client, etl)
+    return {"shards": shards, "samples": samples, "rounds": rounds, "etl_args": ARGS, "rows": rows,
+            "summary": summarize(rows)}
+
+
+def summarize(rows: list[dict]) -> dict:
+    out = {}
+    for case in CASES:
+        mine = [r for r in rows if r["case"] == case]
+        if not mine:
+            continue
+        rates = [r["images_per_s"] for r in mine]
+        out[case] = {
+            "images_per_s": statistics.median(rates), "min": min(rates), "max": max(rates),
+            "pod_cpu_ms_per_image": statistics.median(r["pod_cpu_ms_per_image"] for r in mine),
+            "ais_cpu_ms_per_image": statistics.median(r["ais_cpu_ms_per_image"] for r in mine),
+            "reader_cpu_ms_per_image": statistics.median(r["reader_cpu_ms_per_image"] for r in mine),
+        }
+    return out
+
+
+def markdown(result: dict) -> str:
+    direct = result["summary"].get("direct", {}).get("images_per_s")
+    lines = [f"{result['shards']} shards x {result['samples']} images (500x375 JPEG), etl_args "
+             f"`{json.dumps(result['etl_args'])}`, {result['rounds']} rounds, median (min-max):", "",
+             "| case | images/s | vs direct | pod CPU ms/image | AIS CPU ms/image | reader CPU ms/image |",
+             "|---|---|---|---|---|---|"]
+    for case, row in result["summary"].items():
+        ratio = f"{row['images_per_s'] / direct:.2f}x" if direct else "-"
+        lines.append(f"| {case} | {row['images_per_s']:.0f} ({row['min']:.0f}-{row['max']:.0f}) | {ratio} | "
+                     f"{row['pod_cpu_ms_per_image']:.2f} | {row['ais_cpu_ms_per_image']:.2f} | "
+                     f"{row['reader_cpu_ms_per_image']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shards", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/through-ais"))
+    options = parser.parse_args()
+    from tests.ais.cluster import install_aisnode
+    from tests.ais.etl_cluster import NODES, enter_network_namespace, start_etl_cluster
+
+    binary = install_aisnode(log=lambda message: print(message, file=sys.stderr))
+    namespace = enter_network_namespace(list(NODES.values()))
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-ais-") as root, \
+                start_etl_cluster(binary, Path(root) / "cluster") as cluster:
+            result = measure(cluster, cluster.client(), shards=options.shards, samples=options.samples,
+                             rounds=options.rounds, progress=lambda line: print(line, flush=True))
+    finally:
+        namespace.leave()
+    options.out.mkdir(parents=True, exist_ok=True)
+    (options.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+    text = markdown(result)
+    (options.out / "results.md").write_text("# Through AIS, side by side\n\n`python -m bench.through_ais "
+                                            f"--shards {options.shards} --samples {options.samples} "
+                                            f"--rounds {options.rounds}`\n\n" + text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
