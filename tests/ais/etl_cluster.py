@@ -204,7 +204,9 @@ def _start_node(binary: Path, role: str, node: str, folder: Path, config: Path, 
     (folder / "local.json").write_text(json.dumps(local, indent=1))
     command = [str(binary), f"-config={config}", f"-local_config={folder / 'local.json'}", f"-role={role}"]
     if role == "proxy":
-        command += ["-ntargets=2", "-skip_startup"]
+        # No -skip_startup: with it the primary declares the cluster started as soon as one target has
+        # joined, and a target that joins after that never learns it and stops after its startup timeout.
+        command += ["-ntargets=2"]
     unshare = shutil.which("unshare") or "/usr/bin/unshare"
     wrapped = [unshare, "--mount", "--propagation", "private", "--", "sh", "-c", _WITH_SERVICE_ACCOUNT, "sh", *command]
     output = folder / "output.log"
