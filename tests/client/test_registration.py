@@ -94,6 +94,22 @@ def test_register_starts_a_stopped_etl_with_the_same_spec(ais, proxy: FakeProxy)
     assert len(proxy.calls("POST", "/v1/etl/wds-etl/start")) == 1
 
 
+def test_a_stopped_etl_with_another_spec_is_refused_and_left_stopped(ais, proxy: FakeProxy) -> None:
+    # AIS answers a stopped ETL's details with 404: register starts it to read its spec, then stops it again
+    register(ais, "wds-etl", EtlSettings(image=IMAGE)).etl.stop()
+    with pytest.raises(EtlSpecMismatch, match="env ETL_DTYPE"):
+        register(ais, "wds-etl", EtlSettings(image=IMAGE, dtype="uint8"))
+    assert proxy.etls["wds-etl"].stage == "Aborted"
+    assert register(ais, "wds-etl", EtlSettings(image=IMAGE, dtype="uint8"), replace=True).created
+    assert proxy.etls["wds-etl"].message == EtlSettings(image=IMAGE, dtype="uint8").init_message("wds-etl")
+
+
+def test_unregister_removes_a_stopped_etl(ais, proxy: FakeProxy) -> None:
+    register(ais, "wds-etl", EtlSettings(image=IMAGE)).etl.stop()
+    assert unregister(ais, "wds-etl") is True
+    assert "wds-etl" not in proxy.etls
+
+
 def test_register_refuses_a_different_spec_unless_replacing(ais, proxy: FakeProxy) -> None:
     register(ais, "wds-etl", EtlSettings(image=IMAGE))
     changed = EtlSettings(image=IMAGE, dtype="uint8")
