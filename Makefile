@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= server,client,demo,bench,dali,test
 
-.PHONY: install demo test aisnode lint clean
+.PHONY: install demo test aisnode ais-etl lint clean
 
 install: $(VENV)/.installed
 
@@ -26,6 +26,10 @@ test: install
 
 aisnode: install
 	$(PY) -m tests.ais.cluster --build-only
+
+# A real AIS with ETL (one proxy, two targets, a fake Kubernetes) in a network namespace, until Ctrl-C.
+ais-etl: install
+	$(PY) -m tests.ais.etl_cluster
 
 lint: install
 	$(VENV)/bin/ruff check .
