@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -186,10 +187,28 @@ def transform_bucket(
         return job
     with ais_errors(etl_name, "offline transform"):
         kind = JOB_KIND if names is None and template is None else LIST_JOB_KIND
-        result = client.job(job_id, job_kind=kind).wait(timeout=timeout, verbose=False)
+        result = wait_job(client.job(job_id, job_kind=kind), timeout)
     errors = object_errors(client, etl_name, job_id)
     return OfflineJob(etl_name, job_id, source, destination, finished=True, success=bool(result.success),
                       error=result.error or None, object_errors=errors)
+
+
+def wait_job(job, timeout: float):
+    """``job.wait`` within ``timeout`` seconds, polling about once a second.
+
+    The SDK polls every ``timeout``/64 seconds (AIS's probing frequency): 56 s for an hour, so a job of
+    a few seconds would be reported up to a minute late. Waiting in slices of 30 s keeps its poll at 1 s.
+    """
+    from aistore.sdk.errors import Timeout
+
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return job.wait(timeout=max(1, min(30, int(left))), verbose=False)
+        except Timeout:
+            if deadline - time.monotonic() <= 0:
+                raise
 
 
 def object_errors(client: Client, etl_name: str, job_id: str) -> list[tuple[str, str]]:
