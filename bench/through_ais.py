@@ -76,19 +76,24 @@ def measure(cluster, client, *, shards: int = 8, samples: int = 64, rounds: int 
         owners[name] = next(i for i, mp in enumerate(cluster.mountpaths) if Path(_fqn(mp, "bench-src", name)).is_file())
     pods = {etl: {pod.host: pod for pod in cluster.kube.pods_of(etl)} for etl in etls.values()}
 
+    def drain(response: requests.Response) -> int:  # every case reads its bytes the same way
+        response.raise_for_status()
+        return sum(len(chunk) for chunk in response.iter_content(1 << 20))
+
     def direct(name: str) -> int:
         owner = owners[name]
         pod = pods[etls["hpush"]][f"198.51.100.1{owner + 1}"]
         fqn = quote(quote(_fqn(cluster.mountpaths[owner], "bench-src", name), safe=""), safe="")
         url = f"http://{pod.host}:{pod.port}/bench-src/{name}?etl_fqn={fqn}&etl_args={quote(args, safe='')}"
         with requests.put(url, data=b"", stream=True, timeout=300) as response:
-            response.raise_for_status()
-            return sum(len(chunk) for chunk in response.iter_content(1 << 20))
+            return drain(response)
 
     def inline(etl: str):
+        urls = {name: bucket.object(name).get_url(etl=ETLConfig(etl, args=args)) for name in names}
+
         def read(name: str) -> int:
-            reader = bucket.object(name).get_reader(etl=ETLConfig(etl, args=args))
-            return len(reader.read_all())
+            with requests.get(urls[name], stream=True, timeout=300) as response:  # redirected to the target
+                return drain(response)
         return read
 
     readers = {"direct": direct, "inline-hpush": inline(etls["hpush"]), "inline-ws": inline(etls["ws"])}

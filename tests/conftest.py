@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-import io
-from collections.abc import Callable, Iterator
-from typing import Any
+from tests import userns
 
-import pytest
+userns.enter()  # an unprivileged run: root in a user namespace, while the process has one thread (tests/userns.py)
 
-from tests.shardgen import make_tar
-from transformer.config import Settings
-from transformer.engine import ShardReport, TransformPool, transform_shard
-from transformer.options import TransformOptions, options_from_mapping
-from transformer.shards import Sample, read_samples
+import io  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tests.shardgen import make_tar  # noqa: E402
+from transformer.config import Settings  # noqa: E402
+from transformer.engine import ShardReport, TransformPool, transform_shard  # noqa: E402
+from transformer.options import TransformOptions, options_from_mapping  # noqa: E402
+from transformer.shards import Sample, read_samples  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -42,7 +42,10 @@ def etl_cluster(aisnode: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     try:
         namespace = enter_network_namespace(list(NODES.values()))
     except NamespaceUnavailable as exc:
-        pytest.fail(str(exc), pytrace=False)
+        from tests import userns
+
+        why = f" (a user namespace could not be entered: {userns.problem})" if userns.problem else ""
+        pytest.fail(f"{exc}{why}", pytrace=False)
     try:
         try:
             cluster = start_etl_cluster(aisnode, tmp_path_factory.mktemp("ais-etl"))
