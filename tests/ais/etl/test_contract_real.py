@@ -84,3 +84,30 @@ def test_no_secret_in_any_pod_log(etl_client, etl_cluster: EtlCluster, pair) -> 
         if name != pair["b"]:  # B gets its input from A, never from a target: it has nothing to log here
             # the pods did log the requests that carry the secret (the size check on each etl_fqn), masked
             assert any(f"/v1/etl/_object/{name}/***" in text for text in logs.values()), name
+
+
+def test_without_fqn_the_pod_gets_the_object_from_the_real_target(etl_client, etl_cluster: EtlCluster, pair) -> None:
+    """With AIS's feature flag Do-not-Allow-Passing-FQN-to-ETL, hpush sends the object as the request body and
+    an hpull pod GETs it from its target's ETL object route (``AIS_TARGET_URL``, the secret in its path): the
+    same bytes as with ``etl_fqn``, and the fetch is logged with the secret masked."""
+    before = {comm: [requests.get(url, timeout=60).content
+                     for url in shard_urls(etl_client, "contract-src", pair[comm], names=SHARDS[:2])]
+              for comm in ("a", "pull")}
+    set_features(etl_client, "128")  # feat.DontAllowPassingFQNtoETL = 1 << 7 (cmn/feat/feat.go)
+    try:
+        for comm in ("a", "pull"):
+            urls = shard_urls(etl_client, "contract-src", pair[comm], names=SHARDS[:2])
+            if comm == "pull":  # the redirect no longer carries etl_fqn
+                first = requests.get(urls[0], allow_redirects=False, timeout=30)
+                second = requests.get(first.headers["Location"], allow_redirects=False, timeout=30)
+                assert "etl_fqn=" not in second.headers["Location"], second.headers["Location"]
+            assert [requests.get(url, timeout=60).content for url in urls] == before[comm], comm
+    finally:
+        set_features(etl_client, "0")
+    logs = "\n".join(etl_logs(etl_client, pair["pull"]).values())
+    assert re.search(r"HTTP Request: GET http://\S+/v1/etl/_object/pipe-pull/\*\*\*/ais%2F@%23%2Fcontract-src%2Fc-00[01]"
+                     r"\.tar \"HTTP/1.1 200 OK\"", logs), logs[-2000:]
+
+
+def set_features(client, value: str) -> None:
+    client._request_client.request("PUT", path="cluster", json={"action": "set-config", "value": {"features": value}})
