@@ -81,6 +81,18 @@ def settings(comm_type: str = "hpush", **kwargs) -> EtlSettings:
     return EtlSettings(image=IMAGE, comm_type=comm_type, **kwargs)
 
 
+@pytest.fixture(scope="package")
+def etls(etl_client, etl_cluster: EtlCluster) -> Iterator[dict[str, str]]:
+    """One ETL per communication type (``settings()``, pods logging at DEBUG), shared by the package's
+    tests that do not stop, break or reconfigure it: comm type -> ETL name."""
+    names = {comm: f"etl-{comm}" for comm in ("hpush", "hpull", "ws")}
+    for comm, name in names.items():
+        register(etl_client, name, settings(comm, env={"ETL_LOG_LEVEL": "debug"}))
+    yield names
+    for name in names.values():
+        unregister(etl_client, name)
+
+
 @pytest.fixture
 def etl(etl_client, etl_cluster: EtlCluster) -> Iterator[Callable[..., str]]:
     """``etl(name, comm_type, **settings)`` registers an ETL for this test; it is removed afterwards."""

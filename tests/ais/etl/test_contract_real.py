@@ -21,16 +21,13 @@ OPTIONS = {"preset": "imagenet-val", "dtype": "uint8", "seed": 7}
 
 
 @pytest.fixture(scope="module")
-def pair(etl_client, etl_cluster: EtlCluster):
+def pair(etl_client, etls: dict[str, str]):
+    """The package's ETLs (A = its hpush one) and a second hpush ETL, B, to follow A in a pipeline."""
     put_shards(etl_client, "contract-src", SHARDS, 4)
-    names = {"a": "pipe-a", "b": "pipe-b", "pull": "pipe-pull", "ws": "pipe-ws"}
-    register(etl_client, names["a"], settings("hpush", env={"ETL_LOG_LEVEL": "debug"}))
+    names = {"a": etls["hpush"], "b": "pipe-b", "pull": etls["hpull"], "ws": etls["ws"]}
     register(etl_client, names["b"], settings("hpush", env={"ETL_LOG_LEVEL": "debug"}))
-    register(etl_client, names["pull"], settings("hpull", env={"ETL_LOG_LEVEL": "debug"}))
-    register(etl_client, names["ws"], settings("ws", env={"ETL_LOG_LEVEL": "debug"}))
     yield names
-    for name in names.values():
-        unregister(etl_client, name)
+    unregister(etl_client, names["b"])
 
 
 def test_hpull_inline_read_is_a_307_to_the_pod_on_the_targets_node(etl_client, etl_cluster: EtlCluster, pair) -> None:
@@ -105,7 +102,7 @@ def test_without_fqn_the_pod_gets_the_object_from_the_real_target(etl_client, et
     finally:
         set_features(etl_client, "0")
     logs = "\n".join(etl_logs(etl_client, pair["pull"]).values())
-    assert re.search(r"HTTP Request: GET http://\S+/v1/etl/_object/pipe-pull/\*\*\*/ais%2F@%23%2Fcontract-src%2Fc-00[01]"
+    assert re.search(r"HTTP Request: GET http://\S+/v1/etl/_object/etl-hpull/\*\*\*/ais%2F@%23%2Fcontract-src%2Fc-00[01]"
                      r"\.tar \"HTTP/1.1 200 OK\"", logs), logs[-2000:]
 
 

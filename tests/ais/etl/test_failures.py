@@ -41,18 +41,13 @@ def failing_shard(samples: int = SAMPLES, bad: int = BAD_AT) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def failing(etl_client, etl_cluster: EtlCluster):
+def failing(etl_client, etls: dict[str, str]) -> dict[str, str]:
     bucket = etl_client.bucket("fail-src")
     bucket.create(exist_ok=True)
     bucket.object("mid-fail.tar").get_writer().put_content(failing_shard())
     for i in range(3):
         bucket.object(f"good-{i}.tar").get_writer().put_content(make_tar(imagenet_like_members(4)))
-    names = {comm: f"fail-{comm}" for comm in ("hpush", "hpull", "ws")}
-    for comm, name in names.items():
-        register(etl_client, name, settings(comm))
-    yield names
-    for name in names.values():
-        unregister(etl_client, name)
+    return etls
 
 
 def raw_read(url: str) -> tuple[int, bytes] | str:
@@ -95,7 +90,7 @@ def test_sample_failing_after_the_first_byte_is_an_error_naming_the_shard(etl_cl
     if comm == "hpush":
         assert ("ais://fail-src/mid-fail.tar", "unexpected EOF") in recorded
     else:
-        assert recorded == []
+        assert not [entry for entry in recorded if entry[0] == "ais://fail-src/mid-fail.tar"], recorded
 
 
 @pytest.mark.parametrize("comm", ["hpush", "ws"])
@@ -151,12 +146,19 @@ def test_pod_killed_mid_shard_is_an_error_for_the_reader_and_aborts_the_etl(etl_
         unregister(etl_client, name)
 
 
-def test_pod_that_will_not_start_says_why_and_can_be_registered_again(etl_client, etl_cluster: EtlCluster) -> None:
+@pytest.mark.parametrize(("env", "reason"), [
+    ({"ETL_WINDOW": "zero"}, "wds-transform serve: invalid setting ETL_WINDOW: 'zero' is not an integer"),
+    ({"AIS_CRT": "/nonexistent/client.crt", "AIS_CRT_KEY": "/nonexistent/client.key"}, "AIS_CRT"),
+], ids=["bad-setting", "unreadable-certificate"])
+def test_pod_that_will_not_start_says_why_and_can_be_registered_again(etl_client, etl_cluster: EtlCluster,
+                                                                     env: dict, reason: str) -> None:
+    """The reason reaches the user in AIS's init error: the pod's termination message, which Kubernetes
+    puts in the container status (here the fake kubelet, from the pod's termination log)."""
     name = "fail-nostart"
     with pytest.raises(EtlRequestError) as caught:
-        register(etl_client, name, settings(env={"ETL_WINDOW": "zero"}))
+        register(etl_client, name, settings(env=env))
     message = str(caught.value)
-    assert "ETL_WINDOW" in message and "exitCode: 2" in message, message
+    assert reason in message and "state: Terminated" in message and "exitCode: 2" in message, message
     assert stage(etl_client, name) == "Aborted"  # AIS keeps the failed ETL; register replaces it
     fixed = register(etl_client, name, settings())
     assert fixed.created and stage(etl_client, name) == "Running"
@@ -179,6 +181,13 @@ def test_shard_over_obj_timeout_is_an_error_naming_the_shard(etl_client, etl_clu
                 delivered += 1
                 time.sleep(0.25)  # 40 samples at 4 per second: 10 s, over the 3 s obj_timeout
         assert delivered < 40
+        # what a plain reader gets, and what the README's troubleshooting row names: AIS's timeout after the tar
+        tail = b""
+        with requests.get(url, stream=True, timeout=60) as response:
+            for chunk in response.iter_content(256 * 1024):
+                tail = (tail + chunk)[-2000:]
+                time.sleep(0.25)
+        assert b"Client.Timeout" in tail, tail[-400:]
         assert stage(etl_client, name) == "Running"
     finally:
         unregister(etl_client, name)

@@ -13,9 +13,9 @@ import torch
 
 from tests.ais.etl_cluster import EtlCluster
 from tests.shardgen import read_output
-from transformer.client import ErrorCounter, make_loader, register, shard_urls, unregister
+from transformer.client import ErrorCounter, make_loader, shard_urls
 
-from .conftest import owner_of, put_shards, settings
+from .conftest import owner_of, put_shards
 
 pytestmark = [pytest.mark.ais, pytest.mark.ais_etl]
 COMMS = ("hpush", "hpull", "ws")
@@ -25,15 +25,10 @@ ARGS = {"seed": 11, "dtype": "uint8"}
 
 
 @pytest.fixture(scope="module")
-def inline(etl_client, etl_cluster: EtlCluster):
-    """A bucket of 8 shards over both targets, and one ETL per communication type."""
+def inline(etl_client, etls: dict[str, str]) -> dict[str, str]:
+    """A bucket of 8 shards over both targets; the package's ETL of each communication type."""
     put_shards(etl_client, "inline-src", SHARDS, SAMPLES)
-    names = {comm: f"inline-{comm}" for comm in COMMS}
-    for comm, name in names.items():
-        register(etl_client, name, settings(comm))
-    yield names
-    for name in names.values():
-        unregister(etl_client, name)
+    return etls
 
 
 def test_shards_spread_over_both_targets(etl_cluster: EtlCluster, inline) -> None:

@@ -13,9 +13,9 @@ import pytest
 
 from tests.ais.etl_cluster import EtlCluster
 from tests.shardgen import read_output
-from transformer.client import etl_logs, register, transform_bucket, unregister
+from transformer.client import etl_logs, transform_bucket
 
-from .conftest import owner_of, put_shards, settings
+from .conftest import owner_of, put_shards
 
 pytestmark = [pytest.mark.ais, pytest.mark.ais_etl]
 SHARDS = [f"val-{i:04d}.tar" for i in range(10)]
@@ -24,14 +24,9 @@ OPTIONS = {"preset": "imagenet-val", "dtype": "uint8", "seed": 7}  # what settin
 
 
 @pytest.fixture(scope="module")
-def offline(etl_client, etl_cluster: EtlCluster):
+def offline(etl_client, etls: dict[str, str]) -> dict[str, str]:
     put_shards(etl_client, "offline-src", SHARDS, SAMPLES)
-    names = {comm: f"offline-{comm}" for comm in ("hpush", "ws")}
-    for comm, name in names.items():
-        register(etl_client, name, settings(comm))
-    yield names
-    for name in names.values():
-        unregister(etl_client, name)
+    return etls
 
 
 def delivered(cluster: EtlCluster, etl: str) -> dict[str, float]:
