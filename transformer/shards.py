@@ -252,6 +252,27 @@ class _Chunks:
             del buffer[filled:]  # the stream ended: the caller sees the short read
         return buffer
 
+    def read_into(self, view: memoryview) -> int:
+        """Fill ``view`` (a writable byte view): the rest of the current chunk, then straight from the
+        stream with ``readinto`` (one copy: the training client reads arrays into batch tensors so).
+        Returns the bytes filled, fewer only at the end of the stream."""
+        chunk, pos, size = self._chunk, self._pos, len(view)
+        have = min(size, len(chunk) - pos)
+        if have:
+            view[:have] = memoryview(chunk)[pos:pos + have]
+            self._pos = pos + have
+        filled = have
+        if filled < size:
+            self._base += len(chunk)
+            self._chunk, self._pos = b"", 0
+            while filled < size:
+                count = readinto(self._stream, view[filled:])
+                if not count:
+                    break
+                filled += count
+            self._base += filled - have
+        return filled
+
     def read_padded(self, size: int) -> bytes | bytearray:
         """A member's ``size`` bytes; its zero padding to the block size is skipped (a cut there shows
         at the next header)."""

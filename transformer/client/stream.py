@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import Any, Protocol
 
-from webdataset.filters import _decode, _to_tuple
+from webdataset.autodecode import Decoder
 
-from .errors import ClientError, ShardFetchError
-from .reading import open_shard, whole_shard_samples
+from .errors import ClientError, SampleError, ShardFetchError
+from .reading import MalformedMember, Place, open_shard, whole_shard_samples
 from .urls import is_etl_url, with_skip
 
 log = logging.getLogger("transformer.client")
@@ -81,13 +81,18 @@ class ShardReader:
     timeout: tuple[float, float] = (10.0, 300.0)
     retries: int = 2
     require_marker: bool = True
+    arrays: bool = True  # .npy members as arrays, read in one copy (reading.shard_samples)
+    place: Place | None = None  # where they go (a batch row), for a stream without a shuffle buffer
 
     def samples(self, url: str, shown: str | None = None) -> Iterator[dict[str, Any]]:
         opener = functools.partial(open_shard, timeout=self.timeout)
-        for sample in whole_shard_samples(url, opener=opener, retries=self.retries,
-                                          require_marker=self.require_marker):
-            if shown is not None:
-                sample["__url__"] = shown
+        samples = whole_shard_samples(url, opener=opener, retries=self.retries, require_marker=self.require_marker,
+                                      arrays=self.arrays, place=self.place)
+        if shown is None:
+            yield from samples
+            return
+        for sample in samples:
+            sample["__url__"] = shown
             yield sample
 
     def pod_skips(self, url: str) -> bool:
@@ -181,8 +186,8 @@ class SampleStream:
                 "draws": self.draws, "buffer": list(self._ids)}
 
     def tuples(self) -> Iterator[tuple]:
-        """Decoded (``.npy``, ``.cls``, ...) and picked by ``keys``; samples that fail go to the handler."""
-        return _to_tuple(_decode(self.samples(), handler=self.handler), *self.spec.keys, handler=self.handler)
+        """Picked by ``keys`` and decoded (``.npy``, ``.cls``, ...); samples that fail go to the handler."""
+        return sample_tuples(self.samples(), self.spec.keys, self.handler)
 
     def samples(self) -> Iterator[dict[str, Any]]:
         """The raw samples, shuffled: each one is taken into the buffer, and once it is full one is picked."""
@@ -290,6 +295,44 @@ class SampleStream:
             _close(samples)
             return None
         return chain(ahead, samples)
+
+
+_DECODER = Decoder([])  # webdataset's default decoders: cls -> int, txt, json, npy (bytes), pth, ...
+
+
+def sample_tuples(samples: Iterator[dict[str, Any]], keys: tuple[str, ...], handler: Handler) -> Iterator[tuple]:
+    """webdataset's ``to_tuple(*keys)`` after ``decode()``, decoding only the values picked: ``a;b`` is
+    a, else b. ``.npy`` values read as arrays are taken as they are; bytes go to webdataset's decoders.
+    A sample without a key, or whose value cannot be decoded, is a ``SampleError`` for ``handler``."""
+    picks = [tuple(key.split(";")) for key in keys]
+    decode = _DECODER.decode1
+    for sample in samples:
+        try:
+            values = []
+            for names in picks:
+                for name in names:
+                    value = sample.get(name, _MISSING)
+                    if value is not _MISSING:
+                        break
+                else:
+                    raise SampleError(sample.get("__url__"), sample.get("__key__"),
+                                      f"no {' or '.join(names)} (it has {', '.join(sorted(sample))})")
+                if type(value) is bytes and name[:2] != "__":
+                    try:
+                        value = decode(name, value)
+                    except Exception as exc:
+                        raise SampleError(sample.get("__url__"), sample.get("__key__"),
+                                          f"cannot decode '{name}': {exc.__class__.__name__}: {exc}") from exc
+                elif type(value) is MalformedMember:
+                    raise SampleError(sample.get("__url__"), sample.get("__key__"), value.reason)
+                values.append(value)
+            yield tuple(values)
+        except Exception as exc:
+            if not handler(exc):
+                break
+
+
+_MISSING = object()
 
 
 def plain(state: Any) -> Any:
