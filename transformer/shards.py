@@ -345,6 +345,45 @@ def _plain_file(block: bytes, offset: int) -> tarfile.TarInfo | None:
     headers, base-256 numbers, other member types, a bad or signed checksum) returns None and goes to
     tarfile, and tests/test_shards.py checks this against ``TarInfo.frombuf`` field by field.
     """
+    fields = _plain_fields(block)
+    if fields is None:
+        return None
+    mode, uid, gid, size, mtime, checksum, major, minor = fields
+    info = tarfile.TarInfo(_plain_name(block))
+    info.mode, info.uid, info.gid, info.size, info.mtime, info.chksum = mode, uid, gid, size, mtime, checksum
+    info.type, info.linkname = tarfile.REGTYPE, _text(block, 157, 257)
+    info.uname, info.gname = _text(block, 265, 297), _text(block, 297, 329)
+    info.devmajor, info.devminor = major, minor
+    info.offset, info.offset_data = offset, offset + BLOCK
+    return info
+
+
+class PlainFile:
+    """What a reader needs of a plain regular file's header: its name, size and offset (``plain_member``)."""
+
+    __slots__ = ("name", "size", "offset")
+    type = tarfile.REGTYPE
+    sparse = None
+
+    def __init__(self, name: str, size: int, offset: int):
+        self.name, self.size, self.offset = name, size, offset
+
+    def isreg(self) -> bool:
+        return True
+
+    isfile = isreg
+
+
+def plain_member(block: bytes, offset: int) -> PlainFile | None:
+    """``_plain_file``'s checks without building a ``TarInfo`` (owner, mode and times unread): for
+    readers that only need the name and the size (the training client, per ``.npy`` and label)."""
+    fields = _plain_fields(block)
+    return None if fields is None else PlainFile(_plain_name(block), fields[3], offset)
+
+
+def _plain_fields(block: bytes) -> tuple[int, ...] | None:
+    """mode, uid, gid, size, mtime, checksum, devmajor, devminor of a plain ustar regular file's header
+    whose checksum is right; None for anything else."""
     numbers = _PLAIN_NUMBERS.match(block, 100)
     if numbers is None or len(block) != BLOCK or block[257:265] != _USTAR_MAGIC:
         return None
@@ -362,16 +401,12 @@ def _plain_file(block: bytes, offset: int) -> tarfile.TarInfo | None:
     byte_sum = (zlib.adler32(block[:256]) & 0xFFFF) + (zlib.adler32(block[256:]) & 0xFFFF) - 2
     if checksum != byte_sum - sum(block[148:156]) + 256:
         return None  # tarfile also accepts the signed sum some old writers used, or refuses
+    return mode, uid, gid, size, mtime, checksum, major, minor
+
+
+def _plain_name(block: bytes) -> str:
     name = _text(block, 0, 100)
-    if block[345]:
-        name = f"{_text(block, 345, 500)}/{name}"
-    info = tarfile.TarInfo(name)
-    info.mode, info.uid, info.gid, info.size, info.mtime, info.chksum = mode, uid, gid, size, mtime, checksum
-    info.type, info.linkname = tarfile.REGTYPE, _text(block, 157, 257)
-    info.uname, info.gname = _text(block, 265, 297), _text(block, 297, 329)
-    info.devmajor, info.devminor = major, minor
-    info.offset, info.offset_data = offset, offset + BLOCK
-    return info
+    return f"{_text(block, 345, 500)}/{name}" if block[345] else name
 
 
 def _text(block: bytes, start: int, end: int) -> str:
@@ -411,20 +446,21 @@ def _ustar_header(info: tarfile.TarInfo) -> bytes | None:
     return block[:148] + b"%06o\0" % sum(block) + block[155:]
 
 
-def _members(headers: _Headers, shard: str) -> Iterator[tuple[tarfile.TarInfo, bytes | None]]:
+def _members(headers: _Headers, shard: str, plain=_plain_file) -> Iterator[tuple[tarfile.TarInfo, bytes | None]]:
     """Each member's header, and its raw header blocks when they can be written back unchanged.
 
     Only a zero block (the end-of-archive marker) ends the archive. tarfile's ``TarFile.next`` also
     takes a cut-off header, a missing marker and a garbage header block after the first member for
     a normal end, which would turn a truncated or corrupt shard (or the first chunk of a chunked AIS
-    object) into a shorter, valid-looking output.
+    object) into a shorter, valid-looking output. ``plain`` reads the plain headers (``plain_member``
+    for readers that need only names and sizes); tarfile all others.
     """
     chunks = headers.chunks
     while True:
         offset = chunks.tell()
         try:
             block = chunks.read(BLOCK)
-            info = _plain_file(block, offset) if not headers.pax_headers else None
+            info = plain(block, offset) if not headers.pax_headers else None
             raw = [block]
             if info is None:
                 chunks.recorded = raw  # the blocks tarfile reads after this one, for the raw header

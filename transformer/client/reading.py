@@ -39,7 +39,7 @@ from webdataset.tariterators import base_plus_ext
 
 from ..errors import ShardError
 from ..integrity import END_MARKER_NAME, IncompleteShard, ShardCheck
-from ..shards import BLOCK, Member, _Chunks, _decompressed, _Headers, _members
+from ..shards import BLOCK, Member, _Chunks, _decompressed, _Headers, _members, plain_member
 from .errors import ShardFetchError
 
 log = logging.getLogger("transformer.client")
@@ -139,7 +139,7 @@ def shard_samples(stream: BinaryIO, url: str, *, require_marker: bool = True, ar
             raise ShardError(url, f"not a tar archive ({exc})") from None
         chunks = _Chunks(stream)
         headers = _Headers(chunks, _MAX_MEMBER_BYTES)
-        for info, _ in _members(headers, url):
+        for info, _ in _members(headers, url, plain_member):
             name = info.name
             if info.sparse is not None:
                 raise ShardError(url, f"member '{name}' is a sparse file, which is not supported")

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import Any, Protocol
 
+from webdataset import autodecode
 from webdataset.autodecode import Decoder
 
 from .errors import ClientError, SampleError, ShardFetchError
@@ -69,6 +70,13 @@ def draw(key: bytes, number: int, n: int) -> int:
     return int.from_bytes(digest, "little") % n
 
 
+class Placer(Protocol):
+    """Where a stream's arrays are read to: the next batch row (``row``), or an array of their own."""
+
+    def place(self, fields: dict, extension: str, shape: tuple, dtype: Any, row: bool) -> Any:
+        ...
+
+
 class Reader(Protocol):
     def read(self, url: str, start: int = 0, anchor: str | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
         ...
@@ -88,9 +96,10 @@ class ShardReader:
         opener = functools.partial(open_shard, timeout=self.timeout)
         samples = whole_shard_samples(url, opener=opener, retries=self.retries, require_marker=self.require_marker,
                                       arrays=self.arrays, place=self.place)
-        if shown is None:
-            yield from samples
-            return
+        return samples if shown is None else self._shown(samples, shown)
+
+    @staticmethod
+    def _shown(samples: Iterator[dict[str, Any]], shown: str) -> Iterator[dict[str, Any]]:
         for sample in samples:
             sample["__url__"] = shown
             yield sample
@@ -103,8 +112,10 @@ class ShardReader:
     def read(self, url: str, start: int = 0, anchor: str | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
         """``(position, sample)`` from sample ``start`` on, whose key must be ``anchor``."""
         if start == 0:
-            yield from enumerate(self.samples(url))
-            return
+            return enumerate(self.samples(url))
+        return self._read_from(url, start, anchor)
+
+    def _read_from(self, url: str, start: int, anchor: str | None) -> Iterator[tuple[int, dict[str, Any]]]:
         if self.pod_skips(url):
             samples = self.samples(with_skip(url, start), shown=url)
             try:
@@ -173,6 +184,8 @@ class SampleStream:
         self._ids: list[tuple[int, int, str]] = []  # the buffer's samples by identity, in the same order
         self._state = state
         self._open: Iterator[tuple[int, dict[str, Any]]] | None = None  # the restored open shard's rest
+        self.placer: Placer | None = None  # where arrays are read to (the batcher), see place()
+        self._restoring = False
 
     def url_index(self, shard: int) -> int | None:
         """The URL index of the stream's shard number ``shard`` (None: the stream has no more)."""
@@ -207,6 +220,15 @@ class SampleStream:
                 yield self._pick()
         while buffer:
             yield self._pick()
+
+    def place(self, fields: dict, extension: str, shape: tuple, dtype: Any) -> Any:
+        """The reader's ``place`` hook: where an array is read to, from the ``placer`` (the batcher).
+
+        Without a shuffle buffer a sample goes from the reader to its batch at once: its row. With one,
+        samples wait in the buffer: an array of their own, which the placer may recycle once copied."""
+        if self.placer is None or self._restoring:
+            return None
+        return self.placer.place(fields, extension, shape, dtype, self.spec.buffer <= 1)
 
     def _pick(self) -> dict[str, Any]:
         """webdataset's pick: a drawn slot is taken out, the last sample moves into it."""
@@ -244,6 +266,13 @@ class SampleStream:
     # ---- restore ------------------------------------------------------------------------------------
 
     def _restore(self, state: dict[str, Any]) -> None:
+        self._restoring = True
+        try:
+            self._restore_from(state)
+        finally:
+            self._restoring = False
+
+    def _restore_from(self, state: dict[str, Any]) -> None:
         self.shard, self.taken, self.last = state["shard"], state["taken"], state["last"]
         self.ended, self.draws = state["ended"], state["draws"]
         entries = [(index, position, key) for index, position, key in state["buffer"]]
@@ -298,6 +327,32 @@ class SampleStream:
 
 
 _DECODER = Decoder([])  # webdataset's default decoders: cls -> int, txt, json, npy (bytes), pth, ...
+_DECODERS: dict[str, Callable[[bytes], Any]] = {}
+
+
+def _decoder(name: str) -> Callable[[bytes], Any]:
+    """What ``_DECODER.decode1(name, data)`` runs for ``name``, looked up once per name: webdataset's own
+    decoder table by the part after the last dot (its ``basichandlers``), or the whole chain for
+    ``.gz`` names (its ``gzfilter`` decompresses, then decodes by the inner extension)."""
+    found = _DECODERS.get(name)
+    if found is None:
+        if ("." + name).endswith(".gz"):
+            found = functools.partial(_DECODER.decode1, name)
+        else:
+            table = autodecode.decoders.get(name.rsplit(".", 1)[-1])
+            found = functools.partial(_decoded_or_data, table) if table is not None else _same
+        if len(_DECODERS) < 4096:
+            _DECODERS[name] = found
+    return found
+
+
+def _decoded_or_data(decode: Callable[[bytes], Any], data: bytes) -> Any:
+    value = decode(data)
+    return data if value is None else value
+
+
+def _same(data: bytes) -> bytes:
+    return data
 
 
 def sample_tuples(samples: Iterator[dict[str, Any]], keys: tuple[str, ...], handler: Handler) -> Iterator[tuple]:
@@ -305,7 +360,6 @@ def sample_tuples(samples: Iterator[dict[str, Any]], keys: tuple[str, ...], hand
     a, else b. ``.npy`` values read as arrays are taken as they are; bytes go to webdataset's decoders.
     A sample without a key, or whose value cannot be decoded, is a ``SampleError`` for ``handler``."""
     picks = [tuple(key.split(";")) for key in keys]
-    decode = _DECODER.decode1
     for sample in samples:
         try:
             values = []
@@ -319,7 +373,7 @@ def sample_tuples(samples: Iterator[dict[str, Any]], keys: tuple[str, ...], hand
                                       f"no {' or '.join(names)} (it has {', '.join(sorted(sample))})")
                 if type(value) is bytes and name[:2] != "__":
                     try:
-                        value = decode(name, value)
+                        value = _decoder(name)(value)
                     except Exception as exc:
                         raise SampleError(sample.get("__url__"), sample.get("__key__"),
                                           f"cannot decode '{name}': {exc.__class__.__name__}: {exc}") from exc
