@@ -358,29 +358,6 @@ def _plain_file(block: bytes, offset: int) -> tarfile.TarInfo | None:
     return info
 
 
-class PlainFile:
-    """What a reader needs of a plain regular file's header: its name, size and offset (``plain_member``)."""
-
-    __slots__ = ("name", "size", "offset")
-    type = tarfile.REGTYPE
-    sparse = None
-
-    def __init__(self, name: str, size: int, offset: int):
-        self.name, self.size, self.offset = name, size, offset
-
-    def isreg(self) -> bool:
-        return True
-
-    isfile = isreg
-
-
-def plain_member(block: bytes, offset: int) -> PlainFile | None:
-    """``_plain_file``'s checks without building a ``TarInfo`` (owner, mode and times unread): for
-    readers that only need the name and the size (the training client, per ``.npy`` and label)."""
-    fields = _plain_fields(block)
-    return None if fields is None else PlainFile(_plain_name(block), fields[3], offset)
-
-
 def _plain_fields(block: bytes) -> tuple[int, ...] | None:
     """mode, uid, gid, size, mtime, checksum, devmajor, devminor of a plain ustar regular file's header
     whose checksum is right; None for anything else."""
@@ -402,6 +379,25 @@ def _plain_fields(block: bytes) -> tuple[int, ...] | None:
     if checksum != byte_sum - sum(block[148:156]) + 256:
         return None  # tarfile also accepts the signed sum some old writers used, or refuses
     return mode, uid, gid, size, mtime, checksum, major, minor
+
+
+def plain_size(block: bytes) -> int | None:
+    """The size in a header ``_plain_file`` reads, when only the name (``_plain_name``) and the size are
+    wanted (the training client, three headers per sample): the same checks, the other numbers left
+    unparsed (the pattern already holds them to octal digits, which tarfile reads); None otherwise."""
+    numbers = _PLAIN_NUMBERS.match(block, 100)
+    if (numbers is None or len(block) != BLOCK or block[257:265] != _USTAR_MAGIC
+            or block[329:345] not in _NO_DEVICES):
+        return None
+    size, checksum = numbers.group(4, 6)
+    try:
+        size, checksum = int(size, 8), int(checksum, 8)
+    except ValueError:  # a field of spaces only: tarfile decides
+        return None
+    byte_sum = (zlib.adler32(block[:256]) & 0xFFFF) + (zlib.adler32(block[256:]) & 0xFFFF) - 2
+    if checksum != byte_sum - sum(block[148:156]) + 256:
+        return None
+    return size
 
 
 def _plain_name(block: bytes) -> str:
@@ -446,41 +442,59 @@ def _ustar_header(info: tarfile.TarInfo) -> bytes | None:
     return block[:148] + b"%06o\0" % sum(block) + block[155:]
 
 
-def _members(headers: _Headers, shard: str, plain=_plain_file) -> Iterator[tuple[tarfile.TarInfo, bytes | None]]:
+def _members(headers: _Headers, shard: str) -> Iterator[tuple[tarfile.TarInfo, bytes | None]]:
     """Each member's header, and its raw header blocks when they can be written back unchanged.
 
     Only a zero block (the end-of-archive marker) ends the archive. tarfile's ``TarFile.next`` also
     takes a cut-off header, a missing marker and a garbage header block after the first member for
     a normal end, which would turn a truncated or corrupt shard (or the first chunk of a chunked AIS
-    object) into a shorter, valid-looking output. ``plain`` reads the plain headers (``plain_member``
-    for readers that need only names and sizes); tarfile all others.
+    object) into a shorter, valid-looking output.
     """
     chunks = headers.chunks
     while True:
         offset = chunks.tell()
         try:
             block = chunks.read(BLOCK)
-            info = plain(block, offset) if not headers.pax_headers else None
-            raw = [block]
-            if info is None:
-                chunks.recorded = raw  # the blocks tarfile reads after this one, for the raw header
-                headers.pending = block
-                info = tarfile.TarInfo.fromtarfile(headers)
         except Cancelled:
             raise
-        except tarfile.EOFHeaderError:
-            return  # a zero block: the end-of-archive marker
         except _TAR_ERRORS as exc:
-            reason = _reason(exc)
-            if isinstance(exc, tarfile.EmptyHeaderError):  # nothing more to read where a header belongs
-                reason = "empty file" if offset == 0 else "no end-of-archive marker"
-            if offset == 0:
-                raise ShardError(shard, f"not a tar archive ({reason})") from None
-            raise ShardError(shard, f"corrupt or truncated tar ({reason} at offset {offset})") from None
-        finally:
-            chunks.recorded = None
+            raise _header_error(shard, exc, offset) from None
+        info = _plain_file(block, offset) if not headers.pax_headers else None
+        raw = [block]
+        if info is None:
+            info = header_from(headers, shard, block, offset, raw)
+            if info is None:
+                return  # a zero block: the end-of-archive marker
         # Global pax headers change how later headers read: those members are written afresh.
         yield info, ((block if len(raw) == 1 else b"".join(raw)) if not headers.pax_headers else None)
+
+
+def header_from(headers: _Headers, shard: str, block: bytes, offset: int, raw: list | None = None
+                ) -> tarfile.TarInfo | None:
+    """The header starting with ``block`` (read at ``offset``), parsed by tarfile, which reads any
+    extension blocks after it (appended to ``raw``); None for a zero block, the end of the archive."""
+    chunks = headers.chunks
+    try:
+        chunks.recorded = raw if raw is not None else []  # the blocks tarfile reads after this one
+        headers.pending = block
+        return tarfile.TarInfo.fromtarfile(headers)
+    except Cancelled:
+        raise
+    except tarfile.EOFHeaderError:
+        return None
+    except _TAR_ERRORS as exc:
+        raise _header_error(shard, exc, offset) from None
+    finally:
+        chunks.recorded = None
+
+
+def _header_error(shard: str, exc: BaseException, offset: int) -> ShardError:
+    reason = _reason(exc)
+    if isinstance(exc, tarfile.EmptyHeaderError):  # nothing more to read where a header belongs
+        reason = "empty file" if offset == 0 else "no end-of-archive marker"
+    if offset == 0:
+        return ShardError(shard, f"not a tar archive ({reason})")
+    return ShardError(shard, f"corrupt or truncated tar ({reason} at offset {offset})")
 
 
 def _reason(exc: BaseException) -> str:

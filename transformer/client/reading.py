@@ -39,7 +39,7 @@ from webdataset.tariterators import base_plus_ext
 
 from ..errors import ShardError
 from ..integrity import END_MARKER_NAME, IncompleteShard, ShardCheck
-from ..shards import BLOCK, Member, _Chunks, _decompressed, _Headers, _members, plain_member
+from ..shards import BLOCK, Member, _Chunks, _decompressed, _Headers, _plain_name, header_from, plain_size
 from .errors import ShardFetchError
 
 log = logging.getLogger("transformer.client")
@@ -139,12 +139,22 @@ def shard_samples(stream: BinaryIO, url: str, *, require_marker: bool = True, ar
             raise ShardError(url, f"not a tar archive ({exc})") from None
         chunks = _Chunks(stream)
         headers = _Headers(chunks, _MAX_MEMBER_BYTES)
-        for info, _ in _members(headers, url, plain_member):
-            name = info.name
-            if info.sparse is not None:
-                raise ShardError(url, f"member '{name}' is a sparse file, which is not supported")
+        while True:
+            offset = chunks.tell()
+            block = chunks.read(BLOCK)
+            size = plain_size(block) if not headers.pax_headers else None
+            if size is not None:  # a plain regular file's header, the kind the ETL writes: no TarInfo
+                info, name, regular = None, _plain_name(block), True
+            else:  # anything else, by tarfile
+                info = header_from(headers, url, block, offset)
+                if info is None:
+                    break  # the end-of-archive marker
+                if info.sparse is not None:
+                    raise ShardError(url, f"member '{info.name}' is a sparse file, which is not supported")
+                name, regular = info.name, info.isreg()
+                size = info.size if regular or info.type not in tarfile.SUPPORTED_TYPES else 0
             key = extension = None
-            if info.isfile():
+            if regular:  # tarfile's isfile() is isreg()
                 key, extension = base_plus_ext(name)
             if extension is None or key != group_key:  # the sample before this member is complete
                 if fields is not None and len(fields) > 2:
@@ -152,14 +162,16 @@ def shard_samples(stream: BinaryIO, url: str, *, require_marker: bool = True, ar
                     yield fields
                 fields = {"__key__": key, "__url__": url} if extension is not None else None
                 group_key = key if extension is not None else None
-            size = info.size if info.isreg() or info.type not in tarfile.SUPPORTED_TYPES else 0
             if size > _MAX_MEMBER_BYTES:
                 raise ShardError(url, f"member '{name}' is {size} bytes, over the limit of {_MAX_MEMBER_BYTES}")
             if check.marker is not None or name == END_MARKER_NAME:
+                if info is None:
+                    info = tarfile.TarInfo(name)
+                    info.offset = offset
                 check.member(Member(info=info, pieces=[_payload(chunks, size, name, url)]))
                 continue
             check.members += 1
-            if fields is None or not info.isreg() or _META.match(name):
+            if fields is None or not regular or (name[:2] == "__" and _META.match(name)):
                 _payload(chunks, size, name, url)
                 continue
             extension = extension.lower()
