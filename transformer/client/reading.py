@@ -216,14 +216,14 @@ def _read_exactly(chunks: _Chunks, size: int, name: str, url: str) -> bytes | by
     return data
 
 
-# ``.npy`` headers seen so far -> (shape, dtype, Fortran order, array bytes) or why numpy must read it.
+# ``.npy`` headers seen so far -> (shape, dtype, Fortran order, header length) or the reason it is refused.
 # An ETL's shards repeat one or two headers; numpy's own parser (``ast.literal_eval``) runs once per header.
 _NPY_HEADERS: dict[bytes, tuple | str] = {}
 _NPY_PREFIX = 10  # magic (6), version (2), header length (2 in version 1.0)
 
 
 def _npy_header(head: bytes) -> tuple | str:
-    """Parse a whole ``.npy`` header with numpy: (shape, dtype, fortran, array bytes), or why it is not one."""
+    """Parse a whole ``.npy`` header with numpy: (shape, dtype, fortran, length), or why it is not one."""
     import io
 
     from numpy.lib import format as npy
@@ -238,10 +238,7 @@ def _npy_header(head: bytes) -> tuple | str:
         return f"not a .npy header ({exc})"
     if dtype.hasobject:
         return "an object array"  # read as bytes: np.load refuses pickles
-    nbytes = dtype.itemsize
-    for n in shape:
-        nbytes *= n
-    return shape, dtype, fortran, nbytes
+    return shape, dtype, fortran, len(head)
 
 
 def _array(chunks: _Chunks, size: int, name: str, url: str, fields: dict, extension: str,
@@ -263,7 +260,10 @@ def _array(chunks: _Chunks, size: int, name: str, url: str, fields: dict, extens
         data = head + bytes(_read_exactly(chunks, rest, name, url))  # np.load reads it, or says why not
         chunks.skip(-size % BLOCK)
         return data
-    shape, dtype, fortran, nbytes = parsed
+    shape, dtype, fortran, _ = parsed
+    nbytes = dtype.itemsize
+    for n in shape:
+        nbytes *= n
     if nbytes != rest:
         _read_exactly(chunks, rest, name, url)
         chunks.skip(-size % BLOCK)
@@ -273,9 +273,8 @@ def _array(chunks: _Chunks, size: int, name: str, url: str, fields: dict, extens
     if target is None:
         target = np.empty(shape, dtype, order="F" if fortran else "C")
     if nbytes:
-        view = memoryview(target.reshape(-1, order="A").view(np.uint8) if fortran or not shape else target)
-        with view, view.cast("B") as data:
-            if chunks.read_into(data) != nbytes:
+        with memoryview(target.reshape(-1, order="A").view(np.uint8)) as view:
+            if chunks.read_into(view) != nbytes:
                 raise ShardError(url, f"truncated inside member '{name}'")
     chunks.skip(-size % BLOCK)
     return target
