@@ -122,9 +122,8 @@ class _Batcher:
 
     ``place`` tells the reader where to read an ``.npy`` member (``stream.SampleStream.place``). Without
     a shuffle buffer: into the row its sample will have, so the array is read from the stream straight
-    into the batch tensor. With one: into an array of its own, recycled once its sample was copied into
-    a batch (a fresh array of 600 KB costs its page faults, on every sample: a 1000-sample buffer
-    cycles 600 MB). An array that is not in its row when its sample comes is copied there.
+    into the batch tensor. With one the stream does not ask (the sample waits in the buffer in an array
+    of its own); an array not read into its row is copied there when its sample comes.
     ``last_batch``: ``partial`` (a shorter last batch), ``drop``, or ``pad`` (the last row repeated,
     and a bool ``valid`` array appended to every batch).
     """
@@ -137,8 +136,6 @@ class _Batcher:
         for index, key in enumerate(keys):
             for name in key.split(";"):
                 self.column.setdefault(name, index)
-        self.spare: dict[tuple, list[np.ndarray]] = {}  # (shape, dtype) -> arrays to read into again
-        self.lent: dict[int, np.ndarray] = {}  # id -> the arrays handed out for reuse, until copied
         self._fresh()
 
     def _fresh(self) -> None:
@@ -167,15 +164,10 @@ class _Batcher:
         self.tensors[column], self.views[column] = tensor, view
         return view
 
-    def place(self, fields: dict, extension: str, shape: tuple, dtype: np.dtype, row: bool) -> np.ndarray | None:
+    def place(self, fields: dict, extension: str, shape: tuple, dtype: np.dtype) -> np.ndarray | None:
         column = self.column.get(extension)
         if column is None:
             return None
-        if not row:
-            spare = self.spare.get((shape, dtype))
-            array = spare.pop() if spare else np.empty(shape, dtype)
-            self.lent[id(array)] = array
-            return array
         if fields is not self._sample:
             self._sample, self._given = fields, 0
         if self._given >> column & 1:
@@ -207,8 +199,6 @@ class _Batcher:
                                       f"the batch's are {view.dtype} {view.shape[1:]}")
                 if view is not None:
                     view[row] = value
-                    if self.lent.pop(id(value), None) is not None:  # copied: it can be read into again
-                        self.spare.setdefault((value.shape, value.dtype), []).append(value)
                     continue
             elif view is not None:
                 if row:

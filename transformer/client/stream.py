@@ -71,9 +71,9 @@ def draw(key: bytes, number: int, n: int) -> int:
 
 
 class Placer(Protocol):
-    """Where a stream's arrays are read to: the next batch row (``row``), or an array of their own."""
+    """Where a stream's arrays are read to: the next batch row, or None for an array of their own."""
 
-    def place(self, fields: dict, extension: str, shape: tuple, dtype: Any, row: bool) -> Any:
+    def place(self, fields: dict, extension: str, shape: tuple, dtype: Any) -> Any:
         ...
 
 
@@ -222,13 +222,12 @@ class SampleStream:
             yield self._pick()
 
     def place(self, fields: dict, extension: str, shape: tuple, dtype: Any) -> Any:
-        """The reader's ``place`` hook: where an array is read to, from the ``placer`` (the batcher).
-
-        Without a shuffle buffer a sample goes from the reader to its batch at once: its row. With one,
-        samples wait in the buffer: an array of their own, which the placer may recycle once copied."""
-        if self.placer is None or self._restoring:
+        """The reader's ``place`` hook: the batch row for an array, from the ``placer`` (the batcher),
+        when samples go from the reader to their batch at once (no shuffle buffer); else None: an
+        array of its own, for a sample that waits in the buffer."""
+        if self.placer is None or self._restoring or self.spec.buffer > 1:
             return None
-        return self.placer.place(fields, extension, shape, dtype, self.spec.buffer <= 1)
+        return self.placer.place(fields, extension, shape, dtype)
 
     def _pick(self) -> dict[str, Any]:
         """webdataset's pick: a drawn slot is taken out, the last sample moves into it."""
