@@ -4,8 +4,9 @@ Per DataLoader worker (``stream.SampleStream``)::
 
     shard list (epoch URLs, seeded shard shuffle, identical on every rank and worker)
       -> split by rank -> split by worker          (or: seeded draws with replacement, for endless streams)
-      -> read each shard whole over HTTP           (reading.whole_shard_samples: end marker, cut reads continued)
-      -> seeded shuffle buffer -> decode .npy/.cls -> to_tuple(keys) -> batch
+      -> read each shard whole over HTTP           (reading.whole_shard_samples: end marker, cut reads continued;
+                                                    each .npy read in one copy, into its batch row without a buffer)
+      -> seeded shuffle buffer -> pick by keys, decode labels -> batch (tensors allocated by numpy)
 
 The shard order is shuffled *before* it is split, with a seed shared by all ranks and workers, so
 each shard is read exactly once per epoch across the whole job. Errors go to ``ErrorCounter``, which
