@@ -1,4 +1,5 @@
-"""A CI-sized run of the benchmark (``python -m bench.run --smoke``), so the harness cannot rot.
+"""CI-sized runs of the benchmarks (``python -m bench.run --smoke``, ``python -m bench.reader --smoke``),
+so the harnesses cannot rot.
 
 Not a timed test: it checks that every section ran, that both servers answered every request with a
 float32 ``.npy`` per image, and that the report files were written, not how fast anything was.
@@ -80,3 +81,28 @@ def test_report_files_are_written(smoke: tuple[dict, Path]) -> None:
     assert results["meta"]["command"].startswith("python -m bench.run --smoke")
     assert results["meta"]["versions"]["torch"]
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def reader_smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("reader-out")
+    done = subprocess.run([sys.executable, "-m", "bench.reader", "--smoke", "--out", str(out)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, f"bench.reader failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return json.loads((out / "results.json").read_text()), out
+
+
+def test_the_reader_bench_measures_every_reader_for_both_dtypes(reader_smoke: tuple[dict, Path]) -> None:
+    results, out = reader_smoke
+    readers = {(r["dtype"], r["reader"]) for r in results["reads"]}
+    assert {reader for _, reader in readers} == {
+        "one-copy reader (floor)", "make_loader, shuffle_buffer=0", "make_loader, shuffle_buffer=1000",
+        "web_loader (WebLoader, shards read whole)", "plain webdataset"}
+    assert {dtype for dtype, _ in readers} == {"uint8", "float32"} and len(readers) == 10
+    expected = results["meta"]["shards"] * results["meta"]["samples_per_shard"] * results["meta"]["passes"]
+    assert all(r["samples"] == expected and r["samples_per_s"] > 0 and r["cpu_s"] > 0 for r in results["reads"])
+    assert [(m["shuffle_buffer"], m["workers"]) for m in results["memory"]] == [(0, 0), (4, 1)]
+    assert all(m["pss_peak"] >= m["pss_before"] > 0 for m in results["memory"])
+    markdown = (out / "results.md").read_text()
+    assert "of the floor, same round" in markdown and "PSS peak" in markdown
+    assert results["meta"]["command"].startswith("python -m bench.reader --smoke")

@@ -252,6 +252,27 @@ class _Chunks:
             del buffer[filled:]  # the stream ended: the caller sees the short read
         return buffer
 
+    def read_into(self, view: memoryview) -> int:
+        """Fill ``view`` (a writable byte view): the rest of the current chunk, then straight from the
+        stream with ``readinto`` (one copy: the training client reads arrays into batch tensors so).
+        Returns the bytes filled, fewer only at the end of the stream."""
+        chunk, pos, size = self._chunk, self._pos, len(view)
+        have = min(size, len(chunk) - pos)
+        if have:
+            view[:have] = memoryview(chunk)[pos:pos + have]
+            self._pos = pos + have
+        filled = have
+        if filled < size:
+            self._base += len(chunk)
+            self._chunk, self._pos = b"", 0
+            while filled < size:
+                count = readinto(self._stream, view[filled:])
+                if not count:
+                    break
+                filled += count
+            self._base += filled - have
+        return filled
+
     def read_padded(self, size: int) -> bytes | bytearray:
         """A member's ``size`` bytes; its zero padding to the block size is skipped (a cut there shows
         at the next header)."""
@@ -324,6 +345,22 @@ def _plain_file(block: bytes, offset: int) -> tarfile.TarInfo | None:
     headers, base-256 numbers, other member types, a bad or signed checksum) returns None and goes to
     tarfile, and tests/test_shards.py checks this against ``TarInfo.frombuf`` field by field.
     """
+    fields = _plain_fields(block)
+    if fields is None:
+        return None
+    mode, uid, gid, size, mtime, checksum, major, minor = fields
+    info = tarfile.TarInfo(_plain_name(block))
+    info.mode, info.uid, info.gid, info.size, info.mtime, info.chksum = mode, uid, gid, size, mtime, checksum
+    info.type, info.linkname = tarfile.REGTYPE, _text(block, 157, 257)
+    info.uname, info.gname = _text(block, 265, 297), _text(block, 297, 329)
+    info.devmajor, info.devminor = major, minor
+    info.offset, info.offset_data = offset, offset + BLOCK
+    return info
+
+
+def _plain_fields(block: bytes) -> tuple[int, ...] | None:
+    """mode, uid, gid, size, mtime, checksum, devmajor, devminor of a plain ustar regular file's header
+    whose checksum is right; None for anything else."""
     numbers = _PLAIN_NUMBERS.match(block, 100)
     if numbers is None or len(block) != BLOCK or block[257:265] != _USTAR_MAGIC:
         return None
@@ -341,16 +378,31 @@ def _plain_file(block: bytes, offset: int) -> tarfile.TarInfo | None:
     byte_sum = (zlib.adler32(block[:256]) & 0xFFFF) + (zlib.adler32(block[256:]) & 0xFFFF) - 2
     if checksum != byte_sum - sum(block[148:156]) + 256:
         return None  # tarfile also accepts the signed sum some old writers used, or refuses
+    return mode, uid, gid, size, mtime, checksum, major, minor
+
+
+def plain_size(block: bytes) -> int | None:
+    """The size in a header ``_plain_file`` reads, when only the name (``_plain_name``) and the size are
+    wanted (the training client, three headers per sample): the same checks, the other numbers left
+    unparsed (the pattern already holds them to octal digits, which tarfile reads); None otherwise."""
+    numbers = _PLAIN_NUMBERS.match(block, 100)
+    if (numbers is None or len(block) != BLOCK or block[257:265] != _USTAR_MAGIC
+            or block[329:345] not in _NO_DEVICES):
+        return None
+    size, checksum = numbers.group(4, 6)
+    try:
+        size, checksum = int(size, 8), int(checksum, 8)
+    except ValueError:  # a field of spaces only: tarfile decides
+        return None
+    byte_sum = (zlib.adler32(block[:256]) & 0xFFFF) + (zlib.adler32(block[256:]) & 0xFFFF) - 2
+    if checksum != byte_sum - sum(block[148:156]) + 256:
+        return None
+    return size
+
+
+def _plain_name(block: bytes) -> str:
     name = _text(block, 0, 100)
-    if block[345]:
-        name = f"{_text(block, 345, 500)}/{name}"
-    info = tarfile.TarInfo(name)
-    info.mode, info.uid, info.gid, info.size, info.mtime, info.chksum = mode, uid, gid, size, mtime, checksum
-    info.type, info.linkname = tarfile.REGTYPE, _text(block, 157, 257)
-    info.uname, info.gname = _text(block, 265, 297), _text(block, 297, 329)
-    info.devmajor, info.devminor = major, minor
-    info.offset, info.offset_data = offset, offset + BLOCK
-    return info
+    return f"{_text(block, 345, 500)}/{name}" if block[345] else name
 
 
 def _text(block: bytes, start: int, end: int) -> str:
@@ -403,27 +455,46 @@ def _members(headers: _Headers, shard: str) -> Iterator[tuple[tarfile.TarInfo, b
         offset = chunks.tell()
         try:
             block = chunks.read(BLOCK)
-            info = _plain_file(block, offset) if not headers.pax_headers else None
-            raw = [block]
-            if info is None:
-                chunks.recorded = raw  # the blocks tarfile reads after this one, for the raw header
-                headers.pending = block
-                info = tarfile.TarInfo.fromtarfile(headers)
         except Cancelled:
             raise
-        except tarfile.EOFHeaderError:
-            return  # a zero block: the end-of-archive marker
         except _TAR_ERRORS as exc:
-            reason = _reason(exc)
-            if isinstance(exc, tarfile.EmptyHeaderError):  # nothing more to read where a header belongs
-                reason = "empty file" if offset == 0 else "no end-of-archive marker"
-            if offset == 0:
-                raise ShardError(shard, f"not a tar archive ({reason})") from None
-            raise ShardError(shard, f"corrupt or truncated tar ({reason} at offset {offset})") from None
-        finally:
-            chunks.recorded = None
+            raise _header_error(shard, exc, offset) from None
+        info = _plain_file(block, offset) if not headers.pax_headers else None
+        raw = [block]
+        if info is None:
+            info = header_from(headers, shard, block, offset, raw)
+            if info is None:
+                return  # a zero block: the end-of-archive marker
         # Global pax headers change how later headers read: those members are written afresh.
         yield info, ((block if len(raw) == 1 else b"".join(raw)) if not headers.pax_headers else None)
+
+
+def header_from(headers: _Headers, shard: str, block: bytes, offset: int, raw: list | None = None
+                ) -> tarfile.TarInfo | None:
+    """The header starting with ``block`` (read at ``offset``), parsed by tarfile, which reads any
+    extension blocks after it (appended to ``raw``); None for a zero block, the end of the archive."""
+    chunks = headers.chunks
+    try:
+        chunks.recorded = raw if raw is not None else []  # the blocks tarfile reads after this one
+        headers.pending = block
+        return tarfile.TarInfo.fromtarfile(headers)
+    except Cancelled:
+        raise
+    except tarfile.EOFHeaderError:
+        return None
+    except _TAR_ERRORS as exc:
+        raise _header_error(shard, exc, offset) from None
+    finally:
+        chunks.recorded = None
+
+
+def _header_error(shard: str, exc: BaseException, offset: int) -> ShardError:
+    reason = _reason(exc)
+    if isinstance(exc, tarfile.EmptyHeaderError):  # nothing more to read where a header belongs
+        reason = "empty file" if offset == 0 else "no end-of-archive marker"
+    if offset == 0:
+        return ShardError(shard, f"not a tar archive ({reason})")
+    return ShardError(shard, f"corrupt or truncated tar ({reason} at offset {offset})")
 
 
 def _reason(exc: BaseException) -> str:

@@ -5,10 +5,12 @@ torch, webdataset and the aistore SDK. DALI (``transformer.client.dali``) is opt
 only when a DALI pipeline is built.
 
 Modules: ``registration`` (EtlSettings, register/unregister, runtime spec YAML), ``urls`` (etl_args,
-shard and pod URLs), ``reading`` (whole shards: end marker checked, a cut one continued), ``stream``
-(one resumable stream of samples), ``loader`` (make_loader, state_dict/load_state_dict), ``prefetch``
-(CudaPrefetcher), ``convert`` (folder datasets -> shards in a bucket), ``shuffle`` (dSort), ``offline``
-(an ETL'd copy of a bucket, job errors, pod logs), ``dali`` (external_source feeder).
+shard and pod URLs), ``reading`` (whole shards: end marker checked, a cut one continued, ``.npy``
+read in one copy), ``stream`` (one resumable stream of samples), ``loader`` (make_loader,
+state_dict/load_state_dict), ``webloader`` (the webdataset way: ``web_loader``, ``etl_dataset``, a
+``wds.WebLoader`` over whole shards), ``prefetch`` (CudaPrefetcher), ``convert`` (folder datasets ->
+shards in a bucket), ``shuffle`` (dSort), ``offline`` (an ETL'd copy of a bucket, job errors, pod
+logs), ``dali`` (external_source feeder).
 """
 
 from ..integrity import IncompleteShard
@@ -21,6 +23,7 @@ from .errors import (
     EtlRequestError,
     EtlSpecMismatch,
     LoaderStateError,
+    SampleError,
     ShardFetchError,
     ShuffleError,
 )
@@ -48,6 +51,7 @@ from .registration import (
 from .shuffle import ShuffleResult, dsort_framework, shuffle_shards
 from .stream import ResumeError
 from .urls import EpochUrls, encode_etl_args, etl_args, path_escape, pod_urls, set_etl_args, shard_urls
+from .webloader import EtlWebDataset, etl_dataset, web_loader
 
 __all__ = [
     "ClientError",
@@ -62,12 +66,14 @@ __all__ = [
     "EtlRequestError",
     "EtlSettings",
     "EtlSpecMismatch",
+    "EtlWebDataset",
     "LoaderStateError",
     "OfflineJob",
     "OfflineOptionsMismatch",
     "PrefetchStats",
     "Registration",
     "ResumeError",
+    "SampleError",
     "ShardFetchError",
     "ShuffleError",
     "ShuffleResult",
@@ -76,6 +82,7 @@ __all__ = [
     "dsort_framework",
     "encode_etl_args",
     "etl_args",
+    "etl_dataset",
     "etl_logs",
     "make_loader",
     "measure_seconds_per_image",
@@ -97,4 +104,5 @@ __all__ = [
     "transform_bucket",
     "unregister",
     "validate_name",
+    "web_loader",
 ]

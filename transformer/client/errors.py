@@ -40,6 +40,16 @@ class ShardFetchError(ClientError, OSError):
         self.status = status
 
 
+class SampleError(ClientError, ValueError):
+    """A sample the loader skips: it lacks a key asked for, or a value of it cannot be decoded."""
+
+    def __init__(self, url: str | None, key: str | None, reason: str):
+        super().__init__(f"shard {url}: sample '{key}': {reason}")
+        self.url = url
+        self.key = key
+        self.reason = reason
+
+
 class ConvertError(ClientError):
     """A dataset folder cannot be converted (layout not recognized, nothing to write)."""
 

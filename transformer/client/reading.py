@@ -4,8 +4,14 @@ Every shard the service writes ends with ``__etl__/end.json`` (``transformer.int
 that ends without it was cut: by the pod failing after its first byte (AIS relays that as a cleanly
 ended ``200``), by a dropped connection, or by a proxy in between. Python's ``tarfile`` and
 webdataset's ``tar_file_expander`` read some of those cuts as a shorter, valid shard; the reader here
-uses the service's own strict tar reader (``transformer.shards.read_samples``) and the marker, so a
-cut shard is always an error, never a shorter epoch.
+reads headers with the service's own strict tar code (``transformer.shards``: only a zero block ends
+the archive, checksums, sizes, compressed shards) and checks the marker, so a cut shard is always an
+error, never a shorter epoch.
+
+The loader reads each ``.npy`` member straight into its place (``shard_samples(arrays=True,
+place=...)``): the ``.npy`` header is parsed once per distinct header and the array bytes are read
+from the stream into a row of the batch tensor, one copy, instead of bytes, then ``np.load``, then a
+stack (``python -m bench.reader`` measures both against a minimal one-copy reader).
 
 A cut shard is fetched again and read past the samples already delivered (checked key by key), so
 each sample reaches the training step once. With ``seed`` in ``etl_args`` the service's output is the
@@ -21,16 +27,19 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import tarfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, BinaryIO
 
+import numpy as np
 import webdataset as wds
 from webdataset.filters import pipelinefilter
+from webdataset.tariterators import base_plus_ext
 
 from ..errors import ShardError
-from ..integrity import IncompleteShard, ShardCheck
-from ..shards import read_samples
+from ..integrity import END_MARKER_NAME, IncompleteShard, ShardCheck
+from ..shards import BLOCK, Member, _Chunks, _decompressed, _Headers, _plain_name, header_from, plain_size
 from .errors import ShardFetchError
 
 log = logging.getLogger("transformer.client")
@@ -81,6 +90,9 @@ class _ResponseStream:
     def read(self, size: int = -1) -> bytes:
         return self._response.raw.read(None if size is None or size < 0 else size)
 
+    def readinto(self, buffer) -> int:
+        return self._response.raw.readinto(buffer)
+
     def close(self) -> None:
         self._response.close()
 
@@ -88,43 +100,184 @@ class _ResponseStream:
         return f"<shard stream {self._response.url}>"
 
 
-def shard_samples(stream: BinaryIO, url: str, *, require_marker: bool = True) -> Iterator[dict[str, Any]]:
-    """The shard's samples as webdataset dicts (``__key__``, ``__url__``, one ``bytes`` per extension).
+# Where an ``.npy`` member's array goes: ``(sample fields, extension, shape, dtype)`` -> a C-contiguous
+# array of that shape and dtype to read it into (a row of a batch tensor), or None for an array of its own.
+Place = Callable[[dict, str, tuple, np.dtype], "np.ndarray | None"]
+
+
+class MalformedMember:
+    """An ``.npy`` member whose bytes do not match its header: an error for whoever picks it, naming why."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def shard_samples(stream: BinaryIO, url: str, *, require_marker: bool = True, arrays: bool = False,
+                  place: Place | None = None) -> Iterator[dict[str, Any]]:
+    """The shard's samples as webdataset dicts (``__key__``, ``__url__``, one value per extension).
 
     Grouped and filtered as webdataset's ``tarfile_to_samples`` does (consecutive members sharing a
     key, lower-case extensions, non-files and ``__*__`` members skipped), but read strictly: a cut or
     a garbage header raises ``IncompleteShard`` (``samples``: how many were yielded), and so does a
     missing or wrong end marker unless ``require_marker`` is off (shards not written by this ETL).
+
+    Values are ``bytes``; with ``arrays``, ``.npy`` members are numpy arrays instead, read from the
+    stream in one copy (the ``.npy`` header parsed by numpy, once per distinct header), into what
+    ``place`` gives or an array of their own. A member whose size does not match its header becomes
+    a ``MalformedMember``. A sample is yielded once the next one's first header arrived (or the
+    archive's end), before that member's bytes are read: ``place`` can hand out a batch row at a time.
     """
     check = ShardCheck(url)
+    fields: dict[str, Any] | None = None
+    group_key: str | None = None  # the key of the members being grouped (None: a member of its own)
     try:
-        for sample in read_samples(stream, url, _MAX_MEMBER_BYTES):
-            if check.sample(sample):
+        try:
+            stream, _ = _decompressed(stream)
+        except (tarfile.TarError, EOFError, OSError, ValueError, TypeError) as exc:
+            raise ShardError(url, f"not a tar archive ({exc})") from None
+        chunks = _Chunks(stream)
+        headers = _Headers(chunks, _MAX_MEMBER_BYTES)
+        while True:
+            offset = chunks.tell()
+            block = chunks.read(BLOCK)
+            size = plain_size(block) if not headers.pax_headers else None
+            if size is not None:  # a plain regular file's header, the kind the ETL writes: no TarInfo
+                info, name, regular = None, _plain_name(block), True
+            else:  # anything else, by tarfile
+                info = header_from(headers, url, block, offset)
+                if info is None:
+                    break  # the end-of-archive marker
+                if info.sparse is not None:
+                    raise ShardError(url, f"member '{info.name}' is a sparse file, which is not supported")
+                name, regular = info.name, info.isreg()
+                size = info.size if regular or info.type not in tarfile.SUPPORTED_TYPES else 0
+            key = extension = None
+            if regular:  # tarfile's isfile() is isreg()
+                key, extension = base_plus_ext(name)
+            if extension is None or key != group_key:  # the sample before this member is complete
+                if fields is not None and len(fields) > 2:
+                    check.samples += 1
+                    yield fields
+                fields = {"__key__": key, "__url__": url} if extension is not None else None
+                group_key = key if extension is not None else None
+            if size > _MAX_MEMBER_BYTES:
+                raise ShardError(url, f"member '{name}' is {size} bytes, over the limit of {_MAX_MEMBER_BYTES}")
+            if check.marker is not None or name == END_MARKER_NAME:
+                if info is None:
+                    info = tarfile.TarInfo(name)
+                    info.offset = offset
+                check.member(Member(info=info, pieces=[_payload(chunks, size, name, url)]))
                 continue
-            fields: dict[str, Any] = {"__key__": sample.key, "__url__": url}
-            for member, extension in zip(sample.members, sample.extensions):
-                if extension is None or not member.info.isreg() or _META.match(member.info.name):
-                    continue
-                extension = extension.lower()
-                if extension in fields:
-                    raise ValueError(f"{url}: sample '{sample.key}' has two '{extension}' members")
-                fields[extension] = member.data
-            if len(fields) > 2:
-                check.samples += 1
-                yield fields
-    except IncompleteShard:
+            check.members += 1
+            if fields is None or not regular or (name[:2] == "__" and _META.match(name)):
+                _payload(chunks, size, name, url)
+                continue
+            extension = extension.lower()
+            if extension in fields:
+                raise _Duplicate(f"{url}: sample '{key}' has two '{extension}' members")
+            if arrays and (extension == "npy" or extension.endswith(".npy")):
+                fields[extension] = _array(chunks, size, name, url, fields, extension, place)
+            else:
+                data = _payload(chunks, size, name, url)
+                fields[extension] = data if type(data) is bytes else bytes(data)
+    except (IncompleteShard, _Duplicate):
         raise
     except ShardError as exc:
         raise check.incomplete(exc.reason) from None
     except (OSError, EOFError) as exc:
         raise check.incomplete(f"the read failed: {exc}") from None
     except Exception as exc:
-        if type(exc) is ValueError:  # a duplicate extension: the shard's own content, not a cut
-            raise
         # requests and urllib3 raise their own types for a body cut short (chunked framing, timeouts).
         raise check.incomplete(f"the read failed: {exc.__class__.__name__}: {exc}") from None
+    if fields is not None and len(fields) > 2:
+        check.samples += 1
+        yield fields
     if require_marker:
         check.finish()
+
+
+class _Duplicate(ValueError):
+    """Two members of one sample with one extension: the shard's own content, not a cut."""
+
+
+def _payload(chunks: _Chunks, size: int, name: str, url: str) -> bytes | bytearray:
+    data = chunks.read_padded(size) if size else b""
+    if len(data) != size:
+        raise ShardError(url, f"truncated inside member '{name}'")
+    return data
+
+
+def _read_exactly(chunks: _Chunks, size: int, name: str, url: str) -> bytes | bytearray:
+    data = chunks.read(size) if size else b""
+    if len(data) != size:
+        raise ShardError(url, f"truncated inside member '{name}'")
+    return data
+
+
+# ``.npy`` headers seen so far -> (shape, dtype, Fortran order, header length) or the reason it is refused.
+# An ETL's shards repeat one or two headers; numpy's own parser (``ast.literal_eval``) runs once per header.
+_NPY_HEADERS: dict[bytes, tuple | str] = {}
+_NPY_PREFIX = 10  # magic (6), version (2), header length (2 in version 1.0)
+
+
+def _npy_header(head: bytes) -> tuple | str:
+    """Parse a whole ``.npy`` header with numpy: (shape, dtype, fortran, length), or why it is not one."""
+    import io
+
+    from numpy.lib import format as npy
+
+    try:
+        stream = io.BytesIO(head)
+        version = npy.read_magic(stream)
+        if version != (1, 0):
+            return "not a version 1.0 .npy header"  # read as bytes: np.load decides
+        shape, fortran, dtype = npy.read_array_header_1_0(stream)
+    except ValueError as exc:
+        return f"not a .npy header ({exc})"
+    if dtype.hasobject:
+        return "an object array"  # read as bytes: np.load refuses pickles
+    return shape, dtype, fortran, len(head)
+
+
+def _array(chunks: _Chunks, size: int, name: str, url: str, fields: dict, extension: str,
+           place: Place | None) -> Any:
+    """An ``.npy`` member read into an array in one copy; bytes when numpy's own ``np.load`` must decide
+    (other versions, object arrays); a ``MalformedMember`` when its size is not what its header says."""
+    if size < _NPY_PREFIX:
+        return bytes(_payload(chunks, size, name, url))
+    prefix = bytes(_read_exactly(chunks, _NPY_PREFIX, name, url))
+    length = _NPY_PREFIX + int.from_bytes(prefix[8:10], "little") if prefix[6:8] == b"\x01\x00" else size
+    rest = size - min(length, size)
+    head = prefix + bytes(_read_exactly(chunks, min(length, size) - _NPY_PREFIX, name, url))
+    parsed = _NPY_HEADERS.get(head)
+    if parsed is None:
+        parsed = _npy_header(head)
+        if len(_NPY_HEADERS) < 1024:
+            _NPY_HEADERS[head] = parsed
+    if type(parsed) is str:
+        data = head + bytes(_read_exactly(chunks, rest, name, url))  # np.load reads it, or says why not
+        chunks.skip(-size % BLOCK)
+        return data
+    shape, dtype, fortran, _ = parsed
+    nbytes = dtype.itemsize
+    for n in shape:
+        nbytes *= n
+    if nbytes != rest:
+        _read_exactly(chunks, rest, name, url)
+        chunks.skip(-size % BLOCK)
+        return MalformedMember(f"'{extension}' holds {rest} bytes of array data, its .npy header "
+                               f"{tuple(shape)} {dtype} says {nbytes}")
+    target = place(fields, extension, shape, dtype) if place is not None and not fortran else None
+    if target is None:
+        target = np.empty(shape, dtype, order="F" if fortran else "C")
+    if nbytes:
+        with memoryview(target.reshape(-1, order="A").view(np.uint8)) as view:
+            if chunks.read_into(view) != nbytes:
+                raise ShardError(url, f"truncated inside member '{name}'")
+    chunks.skip(-size % BLOCK)
+    return target
 
 
 def whole_shard_samples(
@@ -133,9 +286,12 @@ def whole_shard_samples(
     opener: Callable[[str], BinaryIO] = open_shard,
     retries: int = 2,
     require_marker: bool = True,
+    arrays: bool = False,
+    place: Place | None = None,
 ) -> Iterator[dict[str, Any]]:
     """One shard's samples, each exactly once: a cut read is fetched again (up to ``retries`` times) and
     continued after the samples already yielded, which the new read must repeat key for key.
+    ``arrays`` and ``place`` are ``shard_samples``'s.
 
     Raises ``IncompleteShard`` (with the number of samples delivered) once the retries are spent, and
     ``ShardFetchError`` when the shard cannot be fetched at all.
@@ -145,7 +301,7 @@ def whole_shard_samples(
         stream = opener(url)
         try:
             position = 0
-            for sample in shard_samples(stream, url, require_marker=require_marker):
+            for sample in shard_samples(stream, url, require_marker=require_marker, arrays=arrays, place=place):
                 key = sample["__key__"]
                 if position < len(delivered):
                     if key != delivered[position]:

@@ -37,10 +37,11 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import Any, Protocol
 
-from webdataset.filters import _decode, _to_tuple
+from webdataset import autodecode
+from webdataset.autodecode import Decoder
 
-from .errors import ClientError, ShardFetchError
-from .reading import open_shard, whole_shard_samples
+from .errors import ClientError, SampleError, ShardFetchError
+from .reading import MalformedMember, Place, open_shard, whole_shard_samples
 from .urls import is_etl_url, with_skip
 
 log = logging.getLogger("transformer.client")
@@ -69,6 +70,13 @@ def draw(key: bytes, number: int, n: int) -> int:
     return int.from_bytes(digest, "little") % n
 
 
+class Placer(Protocol):
+    """Where a stream's arrays are read to: the next batch row, or None for an array of their own."""
+
+    def place(self, fields: dict, extension: str, shape: tuple, dtype: Any) -> Any:
+        ...
+
+
 class Reader(Protocol):
     def read(self, url: str, start: int = 0, anchor: str | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
         ...
@@ -81,13 +89,19 @@ class ShardReader:
     timeout: tuple[float, float] = (10.0, 300.0)
     retries: int = 2
     require_marker: bool = True
+    arrays: bool = True  # .npy members as arrays, read in one copy (reading.shard_samples)
+    place: Place | None = None  # where they go (a batch row), for a stream without a shuffle buffer
 
     def samples(self, url: str, shown: str | None = None) -> Iterator[dict[str, Any]]:
         opener = functools.partial(open_shard, timeout=self.timeout)
-        for sample in whole_shard_samples(url, opener=opener, retries=self.retries,
-                                          require_marker=self.require_marker):
-            if shown is not None:
-                sample["__url__"] = shown
+        samples = whole_shard_samples(url, opener=opener, retries=self.retries, require_marker=self.require_marker,
+                                      arrays=self.arrays, place=self.place)
+        return samples if shown is None else self._shown(samples, shown)
+
+    @staticmethod
+    def _shown(samples: Iterator[dict[str, Any]], shown: str) -> Iterator[dict[str, Any]]:
+        for sample in samples:
+            sample["__url__"] = shown
             yield sample
 
     def pod_skips(self, url: str) -> bool:
@@ -98,8 +112,10 @@ class ShardReader:
     def read(self, url: str, start: int = 0, anchor: str | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
         """``(position, sample)`` from sample ``start`` on, whose key must be ``anchor``."""
         if start == 0:
-            yield from enumerate(self.samples(url))
-            return
+            return enumerate(self.samples(url))
+        return self._read_from(url, start, anchor)
+
+    def _read_from(self, url: str, start: int, anchor: str | None) -> Iterator[tuple[int, dict[str, Any]]]:
         if self.pod_skips(url):
             samples = self.samples(with_skip(url, start), shown=url)
             try:
@@ -168,6 +184,8 @@ class SampleStream:
         self._ids: list[tuple[int, int, str]] = []  # the buffer's samples by identity, in the same order
         self._state = state
         self._open: Iterator[tuple[int, dict[str, Any]]] | None = None  # the restored open shard's rest
+        self.placer: Placer | None = None  # where arrays are read to (the batcher), see place()
+        self._restoring = False
 
     def url_index(self, shard: int) -> int | None:
         """The URL index of the stream's shard number ``shard`` (None: the stream has no more)."""
@@ -181,8 +199,8 @@ class SampleStream:
                 "draws": self.draws, "buffer": list(self._ids)}
 
     def tuples(self) -> Iterator[tuple]:
-        """Decoded (``.npy``, ``.cls``, ...) and picked by ``keys``; samples that fail go to the handler."""
-        return _to_tuple(_decode(self.samples(), handler=self.handler), *self.spec.keys, handler=self.handler)
+        """Picked by ``keys`` and decoded (``.npy``, ``.cls``, ...); samples that fail go to the handler."""
+        return sample_tuples(self.samples(), self.spec.keys, self.handler)
 
     def samples(self) -> Iterator[dict[str, Any]]:
         """The raw samples, shuffled: each one is taken into the buffer, and once it is full one is picked."""
@@ -202,6 +220,14 @@ class SampleStream:
                 yield self._pick()
         while buffer:
             yield self._pick()
+
+    def place(self, fields: dict, extension: str, shape: tuple, dtype: Any) -> Any:
+        """The reader's ``place`` hook: the batch row for an array, from the ``placer`` (the batcher),
+        when samples go from the reader to their batch at once (no shuffle buffer); else None: an
+        array of its own, for a sample that waits in the buffer."""
+        if self.placer is None or self._restoring or self.spec.buffer > 1:
+            return None
+        return self.placer.place(fields, extension, shape, dtype)
 
     def _pick(self) -> dict[str, Any]:
         """webdataset's pick: a drawn slot is taken out, the last sample moves into it."""
@@ -239,6 +265,13 @@ class SampleStream:
     # ---- restore ------------------------------------------------------------------------------------
 
     def _restore(self, state: dict[str, Any]) -> None:
+        self._restoring = True
+        try:
+            self._restore_from(state)
+        finally:
+            self._restoring = False
+
+    def _restore_from(self, state: dict[str, Any]) -> None:
         self.shard, self.taken, self.last = state["shard"], state["taken"], state["last"]
         self.ended, self.draws = state["ended"], state["draws"]
         entries = [(index, position, key) for index, position, key in state["buffer"]]
@@ -290,6 +323,69 @@ class SampleStream:
             _close(samples)
             return None
         return chain(ahead, samples)
+
+
+_DECODER = Decoder([])  # webdataset's default decoders: cls -> int, txt, json, npy (bytes), pth, ...
+_DECODERS: dict[str, Callable[[bytes], Any]] = {}
+
+
+def _decoder(name: str) -> Callable[[bytes], Any]:
+    """What ``_DECODER.decode1(name, data)`` runs for ``name``, looked up once per name: webdataset's own
+    decoder table by the part after the last dot (its ``basichandlers``), or the whole chain for
+    ``.gz`` names (its ``gzfilter`` decompresses, then decodes by the inner extension)."""
+    found = _DECODERS.get(name)
+    if found is None:
+        if ("." + name).endswith(".gz"):
+            found = functools.partial(_DECODER.decode1, name)
+        else:
+            table = autodecode.decoders.get(name.rsplit(".", 1)[-1])
+            found = functools.partial(_decoded_or_data, table) if table is not None else _same
+        if len(_DECODERS) < 4096:
+            _DECODERS[name] = found
+    return found
+
+
+def _decoded_or_data(decode: Callable[[bytes], Any], data: bytes) -> Any:
+    value = decode(data)
+    return data if value is None else value
+
+
+def _same(data: bytes) -> bytes:
+    return data
+
+
+def sample_tuples(samples: Iterator[dict[str, Any]], keys: tuple[str, ...], handler: Handler) -> Iterator[tuple]:
+    """webdataset's ``to_tuple(*keys)`` after ``decode()``, decoding only the values picked: ``a;b`` is
+    a, else b. ``.npy`` values read as arrays are taken as they are; bytes go to webdataset's decoders.
+    A sample without a key, or whose value cannot be decoded, is a ``SampleError`` for ``handler``."""
+    picks = [tuple(key.split(";")) for key in keys]
+    for sample in samples:
+        try:
+            values = []
+            for names in picks:
+                for name in names:
+                    value = sample.get(name, _MISSING)
+                    if value is not _MISSING:
+                        break
+                else:
+                    raise SampleError(sample.get("__url__"), sample.get("__key__"),
+                                      f"no {' or '.join(names)} (it has {', '.join(sorted(sample))})")
+                if type(value) is bytes and name[:2] != "__":
+                    try:
+                        value = _decoder(name)(value)
+                    except Exception as exc:
+                        raise SampleError(sample.get("__url__"), sample.get("__key__"),
+                                          f"cannot decode '{name}': {exc.__class__.__name__}: {exc}") from exc
+                elif type(value) is MalformedMember:
+                    raise SampleError(sample.get("__url__"), sample.get("__key__"), value.reason)
+                values.append(value)
+            yield tuple(values)
+        except Exception as exc:
+            if not handler(exc):
+                break
+
+
+_MISSING = object()
 
 
 def plain(state: Any) -> Any:

@@ -1,0 +1,145 @@
+"""The one-copy reader: ``.npy`` members read straight into arrays and batch rows hold what ``np.load``
+reads from the same bytes, for every dtype, order and header the reader takes or hands to numpy, in
+every batching mode; headers parsed inline agree with tarfile's reading."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from numpy.lib import format as npy
+
+from tests.shardgen import make_tar, sealed
+from transformer.client import ErrorCounter, make_loader, shard_samples
+from transformer.client.reading import MalformedMember
+from transformer.shards import _plain_file, _ustar_header, plain_size
+
+
+def npy_bytes(array: np.ndarray, version: tuple[int, int] | None = None) -> bytes:
+    buffer = io.BytesIO()
+    npy.write_array(buffer, array, version=version, allow_pickle=True)
+    return buffer.getvalue()
+
+
+ARRAYS = {
+    "u8": np.arange(3 * 5 * 7, dtype=np.uint8).reshape(3, 5, 7),
+    "big": np.random.default_rng(0).random((3, 64, 64), dtype=np.float32),  # 48 KB: past a read chunk
+    "f16": np.linspace(-1, 1, 12, dtype=np.float16).reshape(3, 4),
+    "scalar": np.array(7, dtype=np.int64),
+    "empty": np.zeros((0, 3), dtype=np.float32),
+    "fortran": np.asfortranarray(np.arange(20, dtype=np.float64).reshape(4, 5)),
+    "bigendian": np.arange(6, dtype=">f4").reshape(2, 3),
+    "bool": np.array([True, False, True]),
+}
+
+
+def shard_of(members: list[tuple[str, bytes]]) -> bytes:
+    return sealed(make_tar(members))
+
+
+def test_arrays_are_what_np_load_reads(tmp_path: Path) -> None:
+    members = [(f"{name}.npy", npy_bytes(array)) for name, array in ARRAYS.items()]
+    members.append(("v2.npy", npy_bytes(ARRAYS["u8"], version=(2, 0))))  # handed to np.load as bytes
+    members.append(("object.npy", npy_bytes(np.array([{"a": 1}], dtype=object))))  # np.load refuses it
+    members.append(("x" * 120 + ".npy", npy_bytes(ARRAYS["f16"])))  # a pax header: tarfile reads it
+    data = shard_of(members)
+    as_bytes = {s["__key__"]: s["npy"] for s in shard_samples(io.BytesIO(data), "s.tar")}
+    as_arrays = {s["__key__"]: s["npy"] for s in shard_samples(io.BytesIO(data), "s.tar", arrays=True)}
+    assert as_bytes.keys() == as_arrays.keys() == {name.rsplit(".", 1)[0] for name, _ in members}
+    for key, raw in as_bytes.items():
+        got = as_arrays[key]
+        if key in ("v2", "object"):
+            assert got == raw  # bytes, for webdataset's decoder (np.load) to read or refuse
+            continue
+        want = np.load(io.BytesIO(raw))
+        assert isinstance(got, np.ndarray) and got.dtype == want.dtype and got.shape == want.shape, key
+        assert np.array_equal(got, want) and got.flags.f_contiguous == want.flags.f_contiguous, key
+
+
+@pytest.mark.parametrize("change", [+8, -8])
+def test_an_array_whose_size_is_not_its_headers_is_refused_by_name(tmp_path: Path, change: int) -> None:
+    good = npy_bytes(ARRAYS["u8"])
+    bad = good + b"\0" * change if change > 0 else good[:change]
+    data = shard_of([("a.npy", good), ("a.cls", b"1"), ("b.npy", bad), ("b.cls", b"2"), ("c.npy", good),
+                     ("c.cls", b"3")])
+    samples = list(shard_samples(io.BytesIO(data), "s.tar", arrays=True))
+    assert isinstance(samples[1]["npy"], MalformedMember)  # the shard goes on: only that sample is bad
+    path = tmp_path / "s.tar"
+    path.write_bytes(data)
+    errors = ErrorCounter(log_first=0, max_errors=0)
+    loader = make_loader([str(path)], 4, keys=("npy", "cls"), num_workers=0, shuffle_buffer=0, errors=errors)
+    with pytest.raises(Exception, match=r"s\.tar: sample 'b': 'npy' holds \d+ bytes of array data, its \.npy "
+                                        r"header \(3, 5, 7\) uint8 says 105"):
+        list(loader)
+
+
+def labelled_shards(folder: Path, shards: int, per_shard: int, shape=(3, 6, 5), both: bool = False) -> list[str]:
+    """``<key>.npy`` filled with the sample's number (and ``<key>.image.npy`` with its negative when
+    ``both``, in either order), ``<key>.cls`` the number."""
+    urls = []
+    for s in range(shards):
+        members = []
+        for i in range(s * per_shard, (s + 1) * per_shard):
+            key = f"k{i:05d}"
+            image = npy_bytes(np.full(shape, i, np.float32))
+            own = [(f"{key}.npy", image)]
+            if both:
+                other = (f"{key}.image.npy", npy_bytes(np.full(shape, -i, np.float32)))
+                own = [other, *own] if i % 2 else [*own, other]
+            members += [(f"{key}.cls", b"%d" % i), *own]
+        path = folder / f"s{s}.tar"
+        path.write_bytes(shard_of(members))
+        urls.append(str(path))
+    return urls
+
+
+@pytest.mark.parametrize("buffer", [0, 7])
+@pytest.mark.parametrize("last_batch", ["partial", "drop", "pad"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_every_batch_row_holds_its_own_samples_array(tmp_path: Path, buffer: int, last_batch: str,
+                                                     workers: int) -> None:
+    urls = labelled_shards(tmp_path, 3, 9, both=True)
+    loader = make_loader(urls, 4, keys=("npy;image.npy", "cls", "__key__"), num_workers=workers,
+                         shuffle_buffer=buffer, last_batch=last_batch, seed=2)
+    labels = []
+    for batch in loader:
+        images, classes, keys = batch[:3]
+        assert images.dtype == torch.float32 and images.shape[1:] == (3, 6, 5)
+        real = int(batch[3].sum()) if last_batch == "pad" else len(keys)
+        for image, label, key in zip(images[:real], classes[:real].tolist(), keys[:real]):
+            assert key == f"k{label:05d}" and torch.equal(image, torch.full((3, 6, 5), float(label)))  # npy first
+        if last_batch == "pad":
+            assert all(torch.equal(images[j], images[real - 1]) for j in range(real, 4))
+        labels += classes[:real].tolist()
+    if last_batch == "drop":
+        assert len(labels) == sum(n - n % 4 for n in ([27] if workers == 0 else [18, 9]))
+    else:
+        assert sorted(labels) == list(range(27))
+    assert loader.errors.count == 0
+
+
+def test_the_one_copy_batch_is_what_np_load_and_stack_give(tmp_path: Path) -> None:
+    urls = labelled_shards(tmp_path, 2, 5)
+    loader = make_loader(urls, 3, keys=("npy", "cls"), num_workers=0, shuffle_buffer=0, shuffle_shards=False)
+    got = [images for images, _ in loader]
+    arrays = [np.load(io.BytesIO(s["npy"])) for url in urls for s in shard_samples(open(url, "rb"), url)]
+    want = [torch.from_numpy(np.stack(arrays[i:i + 3])) for i in range(0, len(arrays), 3)]
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_the_inline_header_reads_as_tarfile_does() -> None:
+    for name, size, mode, mtime in [("a.npy", 0, 0o644, 0), ("dir/b.cls", 150656, 0o600, 1_700_000_000),
+                                    ("c" * 99, 8**11 - 1, 0o7777, 8**11 - 1)]:
+        info = tarfile.TarInfo(name)
+        info.size, info.mode, info.mtime = size, mode, mtime
+        block = _ustar_header(info)
+        assert plain_size(block) == _plain_file(block, 0).size == tarfile.TarInfo.frombuf(block, "utf-8",
+                                                                                         "strict").size
+        broken = block[:148] + b"0000000\0" + block[156:]  # a wrong checksum: tarfile's to refuse
+        assert plain_size(broken) is None and _plain_file(broken, 0) is None
+        gnu = block[:257] + tarfile.GNU_MAGIC + block[265:]
+        assert plain_size(gnu) is None
