@@ -109,7 +109,7 @@ def result(results: dict, start: str):
 
 def test_deploy_ends_with_a_whole_shard_on_disk_and_an_offline_copy_listed(deployed) -> None:
     deploy, results = deployed
-    assert result(results, "ais etl show") == {ETL: "Running"}
+    assert result(results, "ais etl show")[ETL] == "Running"
     inspect = result(results, "wds-transform inspect out.tar")
     assert "whole: the end marker matches" in inspect.stdout
     with tarfile.open(deploy.folder / "out.tar") as archive:
