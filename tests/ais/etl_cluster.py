@@ -310,6 +310,9 @@ def main() -> int:
     binary = install_aisnode(log=lambda message: print(message, file=sys.stderr))
     namespace = enter_network_namespace(list(NODES.values()))
     root = Path(tempfile.mkdtemp(prefix="ais-etl-"))
+    # SIGINT (even when started in the background, where it is ignored by default) and SIGTERM stop the cluster
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, signal.default_int_handler)
     with start_etl_cluster(binary, root) as cluster:
         print(f"AIS proxy: {cluster.url} (in a network namespace of this process, pid {os.getpid()})\n"
               f"logs: {root}/{{proxy,target1,target2}}/log, pods: {root}/kube/pods\n"
