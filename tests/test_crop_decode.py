@@ -13,6 +13,7 @@ from PIL import Image
 from prometheus_client import generate_latest
 from torchvision.transforms import v2
 
+from bench.accuracy import textured_jpeg
 from tests.shardgen import jpeg_bytes, photo, png_bytes, torchvision_decode, trimap_bytes
 from transformer import samples as samples_module
 from transformer.cropdecode import Window, window_of
@@ -45,23 +46,6 @@ def grainy_jpeg(size: tuple[int, int], index: int = 1, quality: int = 90) -> byt
     noisy = np.clip(image + grain, 0, 255).astype(np.uint8)
     buffer = io.BytesIO()
     Image.fromarray(noisy).save(buffer, "JPEG", quality=quality)
-    return buffer.getvalue()
-
-
-def textured_jpeg(size: tuple[int, int], seed: int, quality: int, grey: bool = False) -> bytes:
-    """A smooth colour field with a few hard-edged shapes and grain, as JPEG: content at every frequency."""
-    width, height = size
-    rng = np.random.default_rng(seed)
-    coarse = rng.uniform(0, 255, (6, 8, 3)).astype(np.uint8)
-    field = np.asarray(Image.fromarray(coarse).resize(size, Image.Resampling.BICUBIC), np.float32)
-    for _ in range(6):
-        x0, y0 = rng.integers(0, width), rng.integers(0, height)
-        x1, y1 = x0 + rng.integers(width // 10, width // 2), y0 + rng.integers(height // 10, height // 2)
-        field[y0:y1, x0:x1] = 0.5 * field[y0:y1, x0:x1] + rng.uniform(0, 128, 3)
-    field += rng.normal(0, rng.uniform(2, 12), (height, width, 1))
-    image = Image.fromarray(np.clip(field, 0, 255).astype(np.uint8))
-    buffer = io.BytesIO()
-    (image.convert("L") if grey else image).save(buffer, "JPEG", quality=quality)
     return buffer.getvalue()
 
 
@@ -132,7 +116,7 @@ SPREAD = [(267, 200), (200, 300), (500, 375), (375, 500), (500, 333), (448, 448)
 
 def spread_jpeg(size: tuple[int, int]) -> bytes:
     index = SPREAD.index(size)  # quality 75 to 95, every fifth image greyscale
-    return textured_jpeg(size, index, 75 + 5 * (index % 5), grey=index % 5 == 4)
+    return textured_jpeg(*size, index, 75 + 5 * (index % 5), grey=index % 5 == 4)
 
 
 @pytest.mark.parametrize("size", SPREAD, ids=lambda size: f"{size[0]}x{size[1]}")

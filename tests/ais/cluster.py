@@ -170,12 +170,12 @@ def _run(command: list[str], env: dict[str, str], cwd: Path, timeout: float) -> 
 # --- the cluster ------------------------------------------------------------------------------------------
 
 
-def free_ports(count: int) -> list[int]:
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     sockets = []
     try:
         for _ in range(count):
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("127.0.0.1", 0))
+            sock.bind((host, 0))
             sockets.append(sock)
         return [sock.getsockname()[1] for sock in sockets]
     finally:
@@ -356,29 +356,34 @@ def start_cluster(binary: Path, root: Path, timeout: float = 90.0) -> LocalClust
 
 
 def _wait_ready(cluster: LocalCluster, timeout: float) -> None:
-    """The primary answers ``/v1/health?prr=true`` (ready, rebalance state settled) with one target joined."""
+    wait_ready(cluster.proxy, [cluster.target], cluster.root, cluster.logs, timeout)
+
+
+def wait_ready(proxy: Node, targets: list[Node], root: Path, logs, timeout: float) -> None:
+    """The primary answers ``/v1/health?prr=true`` (ready, rebalance state settled) with ``targets`` joined,
+    and each target answers its health; an aisnode that exits meanwhile is an error with ``logs()``."""
     deadline = time.monotonic() + timeout
     last = "no answer yet"
     with httpx.Client(timeout=2.0) as http:
         while time.monotonic() < deadline:
-            for node in (cluster.proxy, cluster.target):
+            for node in (proxy, *targets):
                 if node.process.poll() is not None:
-                    raise AisnodeUnavailable(
-                        f"aisnode {node.role} exited with {node.process.returncode} while starting:\n{cluster.logs()}")
+                    raise AisnodeUnavailable(f"aisnode {node.role} ({node.url}) exited with {node.process.returncode} "
+                                             f"while starting:\n{logs()}")
             try:
-                health = http.get(f"{cluster.proxy.url}/v1/health", params={"prr": "true"})
+                health = http.get(f"{proxy.url}/v1/health", params={"prr": "true"})
                 if health.status_code == 200:
-                    smap = http.get(f"{cluster.proxy.url}/v1/daemon", params={"what": "smap"}).json()
-                    if len(smap.get("tmap") or {}) == 1 and http.get(f"{cluster.target.url}/v1/health").is_success:
+                    smap = http.get(f"{proxy.url}/v1/daemon", params={"what": "smap"}).json()
+                    joined = len(smap.get("tmap") or {})
+                    if joined == len(targets) and all(http.get(f"{t.url}/v1/health").is_success for t in targets):
                         return
-                    last = f"targets in the cluster map: {len(smap.get('tmap') or {})}"
+                    last = f"targets in the cluster map: {joined}"
                 else:
                     last = f"primary health: {health.status_code} {health.text[:200]}"
             except httpx.HTTPError as exc:
                 last = f"{exc.__class__.__name__}: {exc}"
             time.sleep(0.2)
-    raise AisnodeUnavailable(f"the AIS cluster in {cluster.root} was not ready within {timeout:.0f} s "
-                             f"({last}):\n{cluster.logs()}")
+    raise AisnodeUnavailable(f"the AIS cluster in {root} was not ready within {timeout:.0f} s ({last}):\n{logs()}")
 
 
 def main() -> int:

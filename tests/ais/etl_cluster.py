@@ -38,11 +38,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
 from tests.tlscerts import make_tls_files
 
-from .cluster import AisnodeUnavailable, Node, _die_with_parent, _node_env, cluster_config, local_config
+from .cluster import Node, _die_with_parent, _node_env, cluster_config, free_ports, local_config, wait_ready
 from .kube import FakeKubernetes
 
 CLONE_NEWNET = 0x40000000
@@ -183,19 +181,11 @@ def _service_account(folder: Path, ca: Path) -> Path:
     return folder
 
 
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 def _start_node(binary: Path, role: str, node: str, folder: Path, config: Path, env: dict[str, str],
                 mountpath_root: Path | None = None, public_port: int | None = None) -> Node:
     """One aisnode on ``node``'s address, inside its own mount namespace with the service account."""
     host = NODES[node]
-    ports = (public_port or _free_port(host), _free_port(host), _free_port(host))
+    ports = (public_port or free_ports(1, host)[0], *free_ports(2, host))
     folder.mkdir(parents=True)
     (folder / "conf").mkdir()
     (folder / "log").mkdir()
@@ -243,7 +233,7 @@ def start_etl_cluster(binary: Path, root: Path, timeout: float = 120.0) -> EtlCl
     nodes: list[Node] = []
     try:
         account = _service_account(root / "serviceaccount", tls.ca)
-        proxy_port = _free_port(NODES["node-0"])
+        (proxy_port,) = free_ports(1, NODES["node-0"])
         config = root / "cluster.json"
         config.write_text(json.dumps(cluster_config(f"http://{NODES['node-0']}:{proxy_port}"), indent=1))
         base = _node_env()
@@ -271,37 +261,11 @@ def start_etl_cluster(binary: Path, root: Path, timeout: float = 120.0) -> EtlCl
         kube.stop()
         raise
     try:
-        _wait_ready(cluster, timeout)
+        wait_ready(cluster.proxy, cluster.targets, cluster.root, cluster.logs, timeout)
     except BaseException:
         cluster.stop(timeout=5)
         raise
     return cluster
-
-
-def _wait_ready(cluster: EtlCluster, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    last = "no answer yet"
-    with httpx.Client(timeout=2.0) as http:
-        while time.monotonic() < deadline:
-            for node in cluster.nodes():
-                if node.process.poll() is not None:
-                    raise AisnodeUnavailable(f"aisnode {node.role} ({node.url}) exited with {node.process.returncode} "
-                                             f"while starting:\n{cluster.logs()}")
-            try:
-                health = http.get(f"{cluster.url}/v1/health", params={"prr": "true"})
-                if health.status_code == 200:
-                    smap = http.get(f"{cluster.url}/v1/daemon", params={"what": "smap"}).json()
-                    joined = len(smap.get("tmap") or {})
-                    if joined == 2 and all(http.get(f"{t.url}/v1/health").is_success for t in cluster.targets):
-                        return
-                    last = f"targets in the cluster map: {joined}"
-                else:
-                    last = f"primary health: {health.status_code} {health.text[:200]}"
-            except httpx.HTTPError as exc:
-                last = f"{exc.__class__.__name__}: {exc}"
-            time.sleep(0.2)
-    raise AisnodeUnavailable(f"the AIS cluster with ETL in {cluster.root} was not ready within {timeout:.0f} s "
-                             f"({last}):\n{cluster.logs()}")
 
 
 def main() -> int:
