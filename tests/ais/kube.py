@@ -330,13 +330,19 @@ class FakeKubernetes:
         self._lock.notify_all()
 
     def _free_port(self, host: str) -> int:
-        while True:
+        """A node port from Kubernetes' range, 30000-32767: below Linux's ephemeral ports (32768-60999), so no
+        outgoing connection takes it between its allocation and the pod's bind, as one from port 0 could."""
+        for port in range(30000, 32768):
+            if port in self._used_ports:
+                continue
             with socket.socket() as sock:
-                sock.bind((host, 0))
-                port = sock.getsockname()[1]
-            if port not in self._used_ports:
-                self._used_ports.add(port)
-                return port
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+            self._used_ports.add(port)
+            return port
+        raise RuntimeError("fake Kubernetes: no free node port in 30000-32767")
 
     def create_service(self, obj: dict) -> tuple[int, dict]:
         name = obj.get("metadata", {}).get("name", "")
