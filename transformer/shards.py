@@ -381,15 +381,23 @@ def _plain_fields(block: bytes) -> tuple[int, ...] | None:
     return mode, uid, gid, size, mtime, checksum, major, minor
 
 
-def plain_size(block: bytes) -> int | None:
-    """The size in a header ``_plain_file`` reads, when only the name (``_plain_name``) and the size are
-    wanted (the training client, three headers per sample): the same checks, the other numbers left
-    unparsed (the pattern already holds them to octal digits, which tarfile reads); None otherwise."""
-    numbers = _PLAIN_NUMBERS.match(block, 100)
-    if (numbers is None or len(block) != BLOCK or block[257:265] != _USTAR_MAGIC
-            or block[329:345] not in _NO_DEVICES):
+# The whole header block of a plain ustar regular file: name, the numbers as ``_PLAIN_NUMBERS`` reads
+# them, the magic, no device numbers, the name prefix (groups: name, the six numbers, prefix).
+_PLAIN_MEMBER = re.compile(
+    rb"(?s)(.{100})" + _PLAIN_NUMBERS.pattern + rb".{100}" + re.escape(_USTAR_MAGIC) + rb".{64}(?:"
+    + b"|".join(re.escape(devices) for devices in _NO_DEVICES) + rb")(.{155}).{12}"
+)
+
+
+def plain_member(block: bytes) -> tuple[str, int] | None:
+    """The name and size of a header ``_plain_file`` reads, when only those are wanted (the training
+    client, three headers per sample): the same checks in one regular expression and the checksum,
+    the other numbers left unparsed (the pattern already holds them to octal digits, which tarfile
+    reads); None otherwise."""
+    match = _PLAIN_MEMBER.fullmatch(block)
+    if match is None:
         return None
-    size, checksum = numbers.group(4, 6)
+    name, size, checksum, prefix = match.group(1, 5, 7, 8)
     try:
         size, checksum = int(size, 8), int(checksum, 8)
     except ValueError:  # a field of spaces only: tarfile decides
@@ -397,7 +405,10 @@ def plain_size(block: bytes) -> int | None:
     byte_sum = (zlib.adler32(block[:256]) & 0xFFFF) + (zlib.adler32(block[256:]) & 0xFFFF) - 2
     if checksum != byte_sum - sum(block[148:156]) + 256:
         return None
-    return size
+    name = name.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+    if prefix[0]:
+        name = prefix.split(b"\0", 1)[0].decode("utf-8", "surrogateescape") + "/" + name
+    return name, size
 
 
 def _plain_name(block: bytes) -> str:

@@ -15,8 +15,10 @@ from numpy.lib import format as npy
 
 from tests.shardgen import make_tar, sealed
 from transformer.client import ErrorCounter, make_loader, shard_samples
-from transformer.client.reading import MalformedMember
-from transformer.shards import _plain_file, _ustar_header, plain_size
+from webdataset.tariterators import base_plus_ext
+
+from transformer.client.reading import MalformedMember, split_key
+from transformer.shards import _plain_file, _ustar_header, plain_member
 
 
 def npy_bytes(array: np.ndarray, version: tuple[int, int] | None = None) -> bytes:
@@ -34,6 +36,8 @@ ARRAYS = {
     "fortran": np.asfortranarray(np.arange(20, dtype=np.float64).reshape(4, 5)),
     "bigendian": np.arange(6, dtype=">f4").reshape(2, 3),
     "bool": np.array([True, False, True]),
+    "complex": np.array([1 + 2j, 3 - 4j], dtype=np.complex64),  # not a memoryview format: read another way
+    "record": np.array([(1, 2.5), (3, 4.5)], dtype=[("a", "<i2"), ("b", "<f8")]),
 }
 
 
@@ -137,9 +141,23 @@ def test_the_inline_header_reads_as_tarfile_does() -> None:
         info = tarfile.TarInfo(name)
         info.size, info.mode, info.mtime = size, mode, mtime
         block = _ustar_header(info)
-        assert plain_size(block) == _plain_file(block, 0).size == tarfile.TarInfo.frombuf(block, "utf-8",
-                                                                                         "strict").size
+        assert plain_member(block) == (name, size) == (_plain_file(block, 0).name, _plain_file(block, 0).size)
+        assert tarfile.TarInfo.frombuf(block, "utf-8", "strict").size == size
         broken = block[:148] + b"0000000\0" + block[156:]  # a wrong checksum: tarfile's to refuse
-        assert plain_size(broken) is None and _plain_file(broken, 0) is None
+        assert plain_member(broken) is None and _plain_file(broken, 0) is None
         gnu = block[:257] + tarfile.GNU_MAGIC + block[265:]
-        assert plain_size(gnu) is None
+        assert plain_member(gnu) is None
+        devices = block[:329] + b"0000001\0" + block[337:]  # device numbers: tarfile's
+        assert plain_member(devices) is None
+    for name in ["p" * 120 + "/q.npy", "ünï/çödé.cls"]:  # a ustar name prefix; utf-8 bytes
+        info = tarfile.TarInfo(name)
+        info.size = 5
+        block = info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape")
+        assert plain_member(block) == (name, 5) == (tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape").name, 5)
+
+
+@pytest.mark.parametrize("name", ["a.cls", "sample-000001.image.npy", "dir/sub/k.x.y", "d.e/k.npy", "k", "k.",
+                                  ".hidden", "a/.b", "a.b/.c", "x/y", "a.b/c", "/.c", "a\nb/c.d", "a/b\nc.d",
+                                  "é/ü.npy", "a..b", "__etl__/end.json", ""])
+def test_keys_split_as_webdataset_splits_them(name: str) -> None:
+    assert split_key(name) == base_plus_ext(name)

@@ -39,7 +39,7 @@ from webdataset.tariterators import base_plus_ext
 
 from ..errors import ShardError
 from ..integrity import END_MARKER_NAME, IncompleteShard, ShardCheck
-from ..shards import BLOCK, Member, _Chunks, _decompressed, _Headers, _plain_name, header_from, plain_size
+from ..shards import BLOCK, Member, _Chunks, _decompressed, _Headers, header_from, plain_member
 from .errors import ShardFetchError
 
 log = logging.getLogger("transformer.client")
@@ -139,12 +139,14 @@ def shard_samples(stream: BinaryIO, url: str, *, require_marker: bool = True, ar
             raise ShardError(url, f"not a tar archive ({exc})") from None
         chunks = _Chunks(stream)
         headers = _Headers(chunks, _MAX_MEMBER_BYTES)
+        read, read_padded = chunks.read, chunks.read_padded
         while True:
             offset = chunks.tell()
-            block = chunks.read(BLOCK)
-            size = plain_size(block) if not headers.pax_headers else None
-            if size is not None:  # a plain regular file's header, the kind the ETL writes: no TarInfo
-                info, name, regular = None, _plain_name(block), True
+            block = read(BLOCK)
+            plain = plain_member(block) if not headers.pax_headers else None
+            if plain is not None:  # a plain regular file's header, the kind the ETL writes: no TarInfo
+                info, regular = None, True
+                name, size = plain
             else:  # anything else, by tarfile
                 info = header_from(headers, url, block, offset)
                 if info is None:
@@ -153,9 +155,7 @@ def shard_samples(stream: BinaryIO, url: str, *, require_marker: bool = True, ar
                     raise ShardError(url, f"member '{info.name}' is a sparse file, which is not supported")
                 name, regular = info.name, info.isreg()
                 size = info.size if regular or info.type not in tarfile.SUPPORTED_TYPES else 0
-            key = extension = None
-            if regular:  # tarfile's isfile() is isreg()
-                key, extension = base_plus_ext(name)
+            key, extension = split_key(name) if regular else _NO_KEY  # tarfile's isfile() is isreg()
             if extension is None or key != group_key:  # the sample before this member is complete
                 if fields is not None and len(fields) > 2:
                     check.samples += 1
@@ -179,9 +179,11 @@ def shard_samples(stream: BinaryIO, url: str, *, require_marker: bool = True, ar
                 raise _Duplicate(f"{url}: sample '{key}' has two '{extension}' members")
             if arrays and (extension == "npy" or extension.endswith(".npy")):
                 fields[extension] = _array(chunks, size, name, url, fields, extension, place)
-            else:
-                data = _payload(chunks, size, name, url)
-                fields[extension] = data if type(data) is bytes else bytes(data)
+                continue
+            data = read_padded(size) if size else b""
+            if len(data) != size:
+                raise ShardError(url, f"truncated inside member '{name}'")
+            fields[extension] = data if type(data) is bytes else bytes(data)
     except (IncompleteShard, _Duplicate):
         raise
     except ShardError as exc:
@@ -202,6 +204,20 @@ class _Duplicate(ValueError):
     """Two members of one sample with one extension: the shard's own content, not a cut."""
 
 
+_NO_KEY = (None, None)
+
+
+def split_key(name: str) -> tuple[str, str] | tuple[None, None]:
+    """webdataset's ``base_plus_ext``: the key (up to the first dot of the last path element) and the
+    extensions, (None, None) for a name without. String operations for the names every shard has (three
+    per sample); its regular expression decides the rest (a dot first in the last element, a newline)."""
+    slash = name.rfind("/") + 1
+    dot = name.find(".", slash)
+    if dot > slash and "\n" not in name:
+        return name[:dot], name[dot + 1:]
+    return base_plus_ext(name)
+
+
 def _payload(chunks: _Chunks, size: int, name: str, url: str) -> bytes | bytearray:
     data = chunks.read_padded(size) if size else b""
     if len(data) != size:
@@ -216,14 +232,14 @@ def _read_exactly(chunks: _Chunks, size: int, name: str, url: str) -> bytes | by
     return data
 
 
-# ``.npy`` headers seen so far -> (shape, dtype, Fortran order, header length) or the reason it is refused.
+# ``.npy`` headers seen so far -> (shape, dtype, Fortran order, array bytes) or the reason it is refused.
 # An ETL's shards repeat one or two headers; numpy's own parser (``ast.literal_eval``) runs once per header.
 _NPY_HEADERS: dict[bytes, tuple | str] = {}
 _NPY_PREFIX = 10  # magic (6), version (2), header length (2 in version 1.0)
 
 
 def _npy_header(head: bytes) -> tuple | str:
-    """Parse a whole ``.npy`` header with numpy: (shape, dtype, fortran, length), or why it is not one."""
+    """Parse a whole ``.npy`` header with numpy: (shape, dtype, fortran, array bytes), or why it is not one."""
     import io
 
     from numpy.lib import format as npy
@@ -238,7 +254,10 @@ def _npy_header(head: bytes) -> tuple | str:
         return f"not a .npy header ({exc})"
     if dtype.hasobject:
         return "an object array"  # read as bytes: np.load refuses pickles
-    return shape, dtype, fortran, len(head)
+    nbytes = dtype.itemsize
+    for n in shape:
+        nbytes *= n
+    return shape, dtype, fortran, nbytes
 
 
 def _array(chunks: _Chunks, size: int, name: str, url: str, fields: dict, extension: str,
@@ -247,10 +266,16 @@ def _array(chunks: _Chunks, size: int, name: str, url: str, fields: dict, extens
     (other versions, object arrays); a ``MalformedMember`` when its size is not what its header says."""
     if size < _NPY_PREFIX:
         return bytes(_payload(chunks, size, name, url))
-    prefix = bytes(_read_exactly(chunks, _NPY_PREFIX, name, url))
-    length = _NPY_PREFIX + int.from_bytes(prefix[8:10], "little") if prefix[6:8] == b"\x01\x00" else size
-    rest = size - min(length, size)
-    head = prefix + bytes(_read_exactly(chunks, min(length, size) - _NPY_PREFIX, name, url))
+    head = chunks.read(_NPY_PREFIX)
+    length = _NPY_PREFIX + int.from_bytes(head[8:10], "little") if head[6:8] == b"\x01\x00" else size
+    if length > size:
+        length = size
+    head += chunks.read(length - _NPY_PREFIX)
+    if len(head) != length:
+        raise ShardError(url, f"truncated inside member '{name}'")
+    if type(head) is not bytes:
+        head = bytes(head)
+    rest = size - length
     parsed = _NPY_HEADERS.get(head)
     if parsed is None:
         parsed = _npy_header(head)
@@ -260,10 +285,7 @@ def _array(chunks: _Chunks, size: int, name: str, url: str, fields: dict, extens
         data = head + bytes(_read_exactly(chunks, rest, name, url))  # np.load reads it, or says why not
         chunks.skip(-size % BLOCK)
         return data
-    shape, dtype, fortran, _ = parsed
-    nbytes = dtype.itemsize
-    for n in shape:
-        nbytes *= n
+    shape, dtype, fortran, nbytes = parsed
     if nbytes != rest:
         _read_exactly(chunks, rest, name, url)
         chunks.skip(-size % BLOCK)
@@ -273,9 +295,12 @@ def _array(chunks: _Chunks, size: int, name: str, url: str, fields: dict, extens
     if target is None:
         target = np.empty(shape, dtype, order="F" if fortran else "C")
     if nbytes:
-        with memoryview(target.reshape(-1, order="A").view(np.uint8)) as view:
-            if chunks.read_into(view) != nbytes:
-                raise ShardError(url, f"truncated inside member '{name}'")
+        try:
+            view = memoryview(target).cast("B")  # C order and a plain numeric type: the common case
+        except (TypeError, ValueError):
+            view = memoryview(target.reshape(-1, order="A").view(np.uint8))
+        if chunks.read_into(view) != nbytes:
+            raise ShardError(url, f"truncated inside member '{name}'")
     chunks.skip(-size % BLOCK)
     return target
 
