@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 import torch
 from numpy.lib import format as npy
+from webdataset.tariterators import base_plus_ext
 
 from tests.shardgen import make_tar, sealed
 from transformer.client import ErrorCounter, make_loader, shard_samples
-from webdataset.tariterators import base_plus_ext
-
 from transformer.client.reading import MalformedMember, split_key
 from transformer.shards import _plain_file, _ustar_header, plain_member
 
