@@ -143,6 +143,7 @@ class _Batcher:
         self.rows = 0
         self.tensors: list[torch.Tensor | None] = [None] * self.width
         self.views: list[np.ndarray | None] = [None] * self.width  # numpy views of the tensors
+        self.kinds: list[tuple | None] = [None] * self.width  # their rows' (shape, dtype)
         self.lists: list[list] = [[] for _ in range(self.width)]  # the other columns' values
         self.placed: list[np.ndarray | None] = [None] * self.width  # the rows handed to the reader
         self._sample: dict | None = None
@@ -151,7 +152,7 @@ class _Batcher:
     def _allocate(self, column: int, shape: tuple, dtype: np.dtype) -> np.ndarray | None:
         """The column's batch tensor, made for arrays of ``shape`` and ``dtype``; None for a dtype
         torch does not hold (the column is then combined by numpy, as before)."""
-        self.tensors[column] = self.views[column] = None
+        self.tensors[column] = self.views[column] = self.kinds[column] = None
         if not dtype.isnative:
             return None
         # Allocated by numpy, which asks Linux for huge pages on large arrays (madvise): the first write
@@ -162,7 +163,7 @@ class _Batcher:
             tensor = torch.from_numpy(view)
         except TypeError:
             return None
-        self.tensors[column], self.views[column] = tensor, view
+        self.tensors[column], self.views[column], self.kinds[column] = tensor, view, (shape, dtype)
         return view
 
     def place(self, fields: dict, extension: str, shape: tuple, dtype: np.dtype) -> np.ndarray | None:
@@ -171,28 +172,23 @@ class _Batcher:
             return None
         if fields is not self._sample:
             self._sample, self._given = fields, 0
-        if self._given >> column & 1:
+        elif self._given >> column & 1:
             return None  # another member of this sample got the row (keys "a;b": the one picked decides)
-        view = self.views[column]
-        if view is None or view.shape[1:] != shape or view.dtype != dtype:
-            if self.rows:
-                return None
-            view = self._allocate(column, shape, dtype)
-            if view is None:
-                return None
+        if self.kinds[column] != (shape, dtype) and (self.rows or self._allocate(column, shape, dtype) is None):
+            return None  # the batch's first row decides its rows' shape and dtype
         self._given |= 1 << column
-        place = self.placed[column] = view[self.rows]
+        place = self.placed[column] = self.views[column][self.rows]
         return place
 
     def add(self, values: tuple) -> tuple | None:
         """Take one sample's values; the batch once it is full."""
         row = self.rows
         for column, value in enumerate(values):
-            view = self.views[column]
             if type(value) is np.ndarray:
                 if value is self.placed[column]:
                     continue  # read into its row already
-                fits = view is not None and value.shape == view.shape[1:] and value.dtype == view.dtype
+                view = self.views[column]
+                fits = self.kinds[column] == (value.shape, value.dtype)
                 if not fits and not row:  # the batch's first row decides (a row handed out may not)
                     view = self._allocate(column, value.shape, value.dtype)
                 elif not fits and view is not None:
@@ -201,10 +197,10 @@ class _Batcher:
                 if view is not None:
                     view[row] = value
                     continue
-            elif view is not None:
+            elif self.views[column] is not None:
                 if row:
                     raise ClientError(f"batch column {column}: a {type(value).__name__}, the batch's are arrays")
-                self.tensors[column] = self.views[column] = None
+                self.tensors[column] = self.views[column] = self.kinds[column] = None
             self.lists[column].append(value)
         self.rows = row + 1
         self._sample = None

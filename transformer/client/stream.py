@@ -330,24 +330,19 @@ _DECODERS: dict[str, Callable[[bytes], Any]] = {}
 
 
 def _decoder(name: str) -> Callable[[bytes], Any]:
-    """What ``_DECODER.decode1(name, data)`` runs for ``name``, looked up once per name: webdataset's own
-    decoder table by the part after the last dot (its ``basichandlers``), or the whole chain for
-    ``.gz`` names (its ``gzfilter`` decompresses, then decodes by the inner extension)."""
+    """What ``_DECODER.decode1(name, data)`` runs for ``name`` (a result of None: the data as it is),
+    looked up once per name: webdataset's own decoder table by the part after the last dot (its
+    ``basichandlers``), or the whole chain for ``.gz`` names (its ``gzfilter`` decompresses, then
+    decodes by the inner extension)."""
     found = _DECODERS.get(name)
     if found is None:
         if ("." + name).endswith(".gz"):
             found = functools.partial(_DECODER.decode1, name)
         else:
-            table = autodecode.decoders.get(name.rsplit(".", 1)[-1])
-            found = functools.partial(_decoded_or_data, table) if table is not None else _same
+            found = autodecode.decoders.get(name.rsplit(".", 1)[-1], _same)
         if len(_DECODERS) < 4096:
             _DECODERS[name] = found
     return found
-
-
-def _decoded_or_data(decode: Callable[[bytes], Any], data: bytes) -> Any:
-    value = decode(data)
-    return data if value is None else value
 
 
 def _same(data: bytes) -> bytes:
@@ -372,10 +367,12 @@ def sample_tuples(samples: Iterator[dict[str, Any]], keys: tuple[str, ...], hand
                                       f"no {' or '.join(names)} (it has {', '.join(sorted(sample))})")
                 if type(value) is bytes and name[:2] != "__":
                     try:
-                        value = _decoder(name)(value)
+                        decoded = (_DECODERS.get(name) or _decoder(name))(value)
                     except Exception as exc:
                         raise SampleError(sample.get("__url__"), sample.get("__key__"),
                                           f"cannot decode '{name}': {exc.__class__.__name__}: {exc}") from exc
+                    if decoded is not None:
+                        value = decoded
                 elif type(value) is MalformedMember:
                     raise SampleError(sample.get("__url__"), sample.get("__key__"), value.reason)
                 values.append(value)
