@@ -21,6 +21,7 @@ import shlex
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from . import client_side, data
@@ -98,11 +99,57 @@ def run(args: argparse.Namespace, work: Path) -> dict:
             log.info("round %d, %s: %s", round_index + 1, dtype, ", ".join(
                 f"{r['reader'].split(' (')[0]} {r['samples_per_s']:.0f}" for r in results["reads"]
                 if r["round"] == round_index and r["dtype"] == dtype))
+    log.info("mixing: make_loader's open batches against a buffer that picks samples at random")
+    results["mixing"] = mixing(args.batch_size)
     for shuffle_buffer, workers in args.memory:
         log.info("memory: make_loader float32, shuffle_buffer=%d, num_workers=%d", shuffle_buffer, workers)
         row = client_side.loader_memory(shards["float32"], args.batch_size, shuffle_buffer, workers)
         results["memory"].append({"dtype": "float32", "array_bytes": 3 * 224 * 224 * 4, **row})
     return results
+
+
+def mixing(batch_size: int, samples: int = 40_000, shard: int = 256) -> list[dict]:
+    """How well each shuffle mixes in-order shards of ``shard`` samples, per batch (the first and last
+    ten left out): distinct shards, the largest share of one shard, and how often two samples that
+    follow each other in the stream land in one batch. ``make_loader`` (open batches filled at once,
+    its ``_Batcher``) against a buffer that picks samples at random (``SampleStream``'s, as
+    webdataset's ``shuffle``), by the samples each holds at most."""
+    from transformer.client.loader import _Batcher
+    from transformer.client.stream import SampleStream, StreamSpec, generator_key
+
+    class Shards:  # in-order shards of labelled samples, as SampleStream reads them
+        def read(self, url: str, start: int = 0, anchor: str | None = None):
+            first = int(url) * shard
+            return enumerate({"__key__": str(n), "cls": n} for n in range(first + start, first + shard))
+
+    urls = tuple(str(n) for n in range(samples // shard))
+
+    def picked(buffer: int) -> list[int]:
+        spec = StreamSpec(urls, tuple(range(len(urls))), b"", generator_key("mixing"), buffer, ("cls",))
+        return [label for (label,) in SampleStream(spec, Shards(), lambda exc: False).tuples()]
+
+    def scattered(count: int) -> list[int]:
+        batcher, order = _Batcher(batch_size, ("cls",), "partial", count, generator_key("mixing")), []
+        for label in range(len(urls) * shard):
+            batch = batcher.add((label,), None)
+            order += [] if batch is None else batch[0].tolist()
+        return order + [label for batch in batcher.drain() for label in batch[0].tolist()]
+
+    rows = []
+    cases = [(f"make_loader, shuffle_buffer={n}", -(-n // batch_size) * batch_size,
+              lambda n=n: scattered(-(-n // batch_size))) for n in (1000, 2000)]
+    cases += [(f"picking buffer of {n}", n, lambda n=n: picked(n)) for n in (500, 1000, 2000)]
+    for name, held, order_of in cases:
+        order = order_of()
+        position = {label: index for index, label in enumerate(order)}
+        batches = [order[i:i + batch_size] for i in range(0, len(order) - batch_size + 1, batch_size)][10:-10]
+        rows.append({"shuffle": name, "held": held,
+                     "shards_per_batch": sum(len({n // shard for n in b}) for b in batches) / len(batches),
+                     "largest_share": sum(max(Counter(n // shard for n in b).values()) for b in batches)
+                     / len(batches) / batch_size,
+                     "neighbours_together": sum(position[n] // batch_size == position[n + 1] // batch_size
+                                                for n in range(len(order) - 1)) / (len(order) - 1)})
+    return rows
 
 
 def summary(results: dict) -> list[dict]:
@@ -143,6 +190,12 @@ def markdown(results: dict) -> str:
         lines.append(f"| {row['dtype']} | {row['reader']} | {row['samples_per_s']:,.0f} | {row['min']:,.0f} - "
                      f"{row['max']:,.0f} | {row['ratio']:.2f}x | {row['ratio_min']:.2f} - {row['ratio_max']:.2f} | "
                      f"{row['cpu_ms_per_sample']:.3f} |")
+    if results.get("mixing"):
+        lines += ["", f"| shuffle (in-order shards of 256 samples, batches of {meta['batch_size']}) | samples held "
+                  "| shards per batch | largest share of one shard | neighbours in one batch |", "|---|---|---|---|---|"]
+        for row in results["mixing"]:
+            lines.append(f"| {row['shuffle']} | {row['held']} | {row['shards_per_batch']:.1f} | "
+                         f"{row['largest_share']:.2f} | {row['neighbours_together']:.3f} |")
     if results["memory"]:
         lines += ["", "| make_loader, float32 | samples | PSS before the epoch | PSS peak | growth |",
                   "|---|---|---|---|---|"]

@@ -265,8 +265,9 @@ class _Chunks:
         if filled < size:
             self._base += len(chunk)
             self._chunk, self._pos = b"", 0
+            fill = self._readinto
             while filled < size:
-                count = readinto(self._stream, view[filled:])
+                count = fill(view[filled:]) if fill is not None else readinto(self._stream, view[filled:])
                 if not count:
                     break
                 filled += count

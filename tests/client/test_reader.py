@@ -160,3 +160,38 @@ def test_the_inline_header_reads_as_tarfile_does() -> None:
                                   "é/ü.npy", "a..b", "__etl__/end.json", ""])
 def test_keys_split_as_webdataset_splits_them(name: str) -> None:
     assert split_key(name) == base_plus_ext(name)
+
+
+def scattered(count: int, size: int, samples: int) -> tuple[list[list[int]], list]:
+    """Samples 0, 1, ... through a ``_Batcher`` of ``count`` open batches, each one's array read into
+    the row ``place`` gives (as the reader does): the batches' labels, and the batches."""
+    from transformer.client.loader import _Batcher
+    from transformer.client.stream import generator_key
+
+    batcher = _Batcher(size, ("npy", "cls"), "partial", count, generator_key("test"))
+    batches = []
+    for label in range(samples):
+        fields = {"__key__": f"k{label}"}
+        row = batcher.place(fields, "npy", (2,), np.dtype(np.int64))
+        row[:] = label  # the reader's readinto
+        batch = batcher.add((row, label), (0, label, f"k{label}"))
+        if batch is not None:
+            batches.append(batch)
+    batches += list(batcher.drain())
+    return [batch[1].tolist() for batch in batches], batches
+
+
+def test_open_batches_shuffle_without_copying_and_end_whole() -> None:
+    labels, batches = scattered(16, 64, 8000)
+    assert sorted(label for batch in labels for label in batch) == list(range(8000))
+    assert [len(batch) for batch in labels] == [64] * 125  # the open batches end as whole batches
+    for (images, _), batch in zip(batches, labels):  # each row holds its own sample's array
+        assert images.tolist() == [[label, label] for label in batch]
+    order = [label for batch in labels for label in batch]
+    displacement = np.abs(np.array(order) - np.arange(8000))
+    assert 200 < displacement.mean() < 2000  # mixed over about a thousand samples, as a 1000-sample buffer
+    assert min(labels[0]) < 64 and max(labels[0]) > 400  # the first batch leaves after hundreds of samples
+    together = sum(order.index(n + 1) // 64 == order.index(n) // 64 for n in range(0, 8000, 7))
+    assert together < 0.2 * len(range(0, 8000, 7))  # neighbours in the stream rarely share a batch
+    in_order, _ = scattered(1, 64, 200)  # one open batch: the stream's order
+    assert [label for batch in in_order for label in batch] == list(range(200))

@@ -90,7 +90,7 @@ def mid_shard_with_buffer(state: dict) -> bool:
 
 # Three workers on a two-core machine on purpose: DataLoader's advice to start fewer does not apply here.
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
-@pytest.mark.parametrize(("workers", "stops"), [(0, (1, 3)), (1, (3,)), (2, (1, 4)), (3, (2, 5))])
+@pytest.mark.parametrize(("workers", "stops"), [(0, (4, 6)), (1, (5,)), (2, (4, 7)), (3, (5, 6))])
 def test_resumed_run_gives_the_uninterrupted_epoch(served_proxy: FakeProxy, workers: int, stops) -> None:
     urls = seeded_urls(served_proxy)
     whole = list(loader_of(urls, num_workers=workers))
@@ -302,6 +302,9 @@ def test_the_endpoint_may_change_but_not_the_objects_or_etl_args() -> None:
     (lambda s: s["workers"][0].update(buffer=[[9, 1, "k"]]), r"buffer entry \[9, 1, 'k'\] is not"),
     (lambda s: s["workers"][0].update(draws="3"), "'draws' is not a non-negative integer"),
     (lambda s: s["workers"].append(dict(s["workers"][0])), "or one twice"),
+    (lambda s: s["workers"][0].update(open=[3, 0]), r"'open' is not a list of 2 row counts below 3"),
+    (lambda s: s["workers"][0].update(open=[0, 0], buffer=[[0, 1, "k"]]), "'open' counts 0 rows, 'buffer' names 1"),
+    (lambda s: s["workers"][0].update(buffer=[[0, 1, "k"]] * 7), "'buffer' is not a list of at most 6 samples"),
     (lambda s: s["config"].update(extra=1), "unknown fields extra"),
 ])
 def test_a_state_of_another_format_or_a_broken_one_is_refused(local_state, edit, message: str) -> None:
@@ -314,10 +317,11 @@ def test_a_state_of_another_format_or_a_broken_one_is_refused(local_state, edit,
 
 def test_a_state_is_json_and_small(local_state) -> None:
     _, state = local_state
-    assert state["format"] == "ais-wds-loader-state/1" and state["kind"] == "make_loader"
+    assert state["format"] == "ais-wds-loader-state/2" and state["kind"] == "make_loader"
     assert set(state) == {"format", "kind", "epoch", "batches", "passes", "next_worker", "workers", "config"}
     assert [w["worker"] for w in state["workers"]] == [0, 1] and state["next_worker"] == 0
-    assert set(state["workers"][0]) == {"worker", "batches", "shard", "taken", "last", "ended", "draws", "buffer"}
+    assert set(state["workers"][0]) == {"worker", "batches", "shard", "taken", "last", "ended", "draws", "buffer",
+                                        "open"}
     assert len(json.dumps(state)) < 2000
 
 

@@ -38,13 +38,13 @@ from webdataset.filters import combine_values
 from webdataset.utils import pytorch_worker_info
 
 from .errors import ClientError, LoaderStateError
-from .stream import SampleStream, ShardReader, StreamSpec, check_snapshot, generator_key, plain
+from .stream import SampleStream, ShardReader, StreamSpec, check_snapshot, draw, generator_key, plain, sample_tuples
 
 log = logging.getLogger("transformer.client")
 
 LAST_BATCH = ("partial", "drop", "pad")
 DEFAULT_KEYS = ("npy;image.npy", "cls")
-STATE_FORMAT = "ais-wds-loader-state/1"
+STATE_FORMAT = "ais-wds-loader-state/2"
 
 
 class ErrorCounter:
@@ -117,14 +117,13 @@ def urls_digest(urls: Sequence[str]) -> str:
     return digest.hexdigest()[:32]
 
 
-class _Batcher:
-    """Batches of ``size`` tuples: array columns go into batch tensors allocated per batch, other
-    columns are combined as webdataset's ``default_collation_fn`` does (ints -> a numpy array, str -> a list).
+class _Batch:
+    """One batch of ``size`` tuples being filled: array columns go into batch tensors allocated per
+    batch, other columns are combined as webdataset's ``default_collation_fn`` does (ints -> a numpy
+    array, str -> a list). ``ids`` names each row's sample (URL index, position in its shard, key).
 
-    ``place`` tells the reader where to read an ``.npy`` member (``stream.SampleStream.place``). Without
-    a shuffle buffer: into the row its sample will have, so the array is read from the stream straight
-    into the batch tensor. With one the stream does not ask (the sample waits in the buffer in an array
-    of its own); an array not read into its row is copied there when its sample comes.
+    ``place`` gives the reader the next row for an ``.npy`` member, so its array is read from the
+    stream straight into the batch tensor; an array read elsewhere is copied into its row by ``add``.
     ``last_batch``: ``partial`` (a shorter last batch), ``drop``, or ``pad`` (the last row repeated,
     and a bool ``valid`` array appended to every batch).
     """
@@ -141,6 +140,7 @@ class _Batcher:
 
     def _fresh(self) -> None:
         self.rows = 0
+        self.ids: list[tuple] = []
         self.tensors: list[torch.Tensor | None] = [None] * self.width
         self.views: list[np.ndarray | None] = [None] * self.width  # numpy views of the tensors
         self.kinds: list[tuple | None] = [None] * self.width  # their rows' (shape, dtype)
@@ -180,8 +180,8 @@ class _Batcher:
         place = self.placed[column] = self.views[column][self.rows]
         return place
 
-    def add(self, values: tuple) -> tuple | None:
-        """Take one sample's values; the batch once it is full."""
+    def add(self, values: tuple, identity: tuple | None) -> None:
+        """Take one sample's values into the next row."""
         row = self.rows
         for column, value in enumerate(values):
             if type(value) is np.ndarray:
@@ -203,26 +203,42 @@ class _Batcher:
                 self.tensors[column] = self.views[column] = self.kinds[column] = None
             self.lists[column].append(value)
         self.rows = row + 1
+        self.ids.append(identity)
         self._sample = None
-        if self.rows < self.size:
-            return None
-        return self._take(self.size)
+
+    def last_row(self) -> tuple:
+        """The last row's values (views of the batch tensors) and its sample."""
+        row = self.rows - 1
+        values = tuple(self.views[c][row] if self.views[c] is not None else self.lists[c][row]
+                       for c in range(self.width))
+        return values, self.ids[row]
+
+    def drop_last_row(self) -> None:
+        self.rows -= 1
+        self.ids.pop()
+        for values in self.lists:
+            if values:
+                values.pop()
+        self.placed = [None] * self.width
+        self._sample = None
 
     def finish(self) -> tuple | None:
         """The last, incomplete batch as ``last_batch`` says (None: none)."""
         real = self.rows
         if not real or self.last_batch == "drop":
+            self._fresh()
             return None
         if self.last_batch == "partial":
-            return self._take(real)
+            return self.take(real)
         for column in range(self.width):
             if self.tensors[column] is not None:
                 self.tensors[column][real:] = self.tensors[column][real - 1]
             else:
                 self.lists[column].extend([self.lists[column][-1]] * (self.size - real))
-        return self._take(self.size, real)
+        return self.take(self.size, real)
 
-    def _take(self, rows: int, real: int | None = None) -> tuple:
+    def take(self, rows: int, real: int | None = None) -> tuple:
+        """The batch's columns; the batch starts again, empty."""
         columns = []
         for column in range(self.width):
             tensor = self.tensors[column]
@@ -236,6 +252,90 @@ class _Batcher:
             columns.append(valid)
         self._fresh()
         return tuple(columns)
+
+
+class _Batcher:
+    """Batches built while samples arrive, shuffled without copying: ``count`` batches are open at once
+    and each sample joins one of them, drawn at random (counter-based draws, as the shuffle buffer's),
+    its arrays read from the stream straight into their rows; a batch leaves once it is full. One open
+    batch: no shuffle, the samples in stream order.
+
+    A buffer that picks samples in random order keeps each one in an array of its own and copies it
+    into its batch row when it is picked, about a thousand samples later: its bytes are out of every
+    cache by then, and the copy costs about as much as reading the sample (``python -m bench.reader``).
+    Here a sample costs the one copy from the stream; batches still mix samples from a window of about
+    ``count x size`` samples, as a buffer of that size does.
+
+    At the end of the stream the open batches' rows are gathered into whole batches: the last row of
+    the last open batch moves into the first one until it is full (``drain``). The state between two
+    batches is the stream's and, per open batch, which samples its rows hold (``snapshot``).
+    """
+
+    def __init__(self, size: int, keys: Sequence[str], last_batch: str, count: int, key: bytes):
+        self.size = size
+        self.batches = [_Batch(size, keys, last_batch) for _ in range(count)]
+        self.key = key
+        self.draws = 0  # samples taken, each by a draw of its batch
+        self._sample: dict | None = None
+        self._target: _Batch | None = None
+
+    def _choose(self) -> _Batch:
+        """The open batch the next sample joins (the same until it is added: a sample that fails on
+        the way leaves its row to the next one)."""
+        if self._target is None:
+            batches = self.batches
+            self._target = batches[0] if len(batches) == 1 else batches[draw(self.key, self.draws, len(batches))]
+        return self._target
+
+    def place(self, fields: dict, extension: str, shape: tuple, dtype: np.dtype) -> np.ndarray | None:
+        return self._choose().place(fields, extension, shape, dtype)
+
+    def add(self, values: tuple, identity: tuple | None) -> tuple | None:
+        """Take one sample's values; a batch once one is full."""
+        target = self._choose()
+        target.add(values, identity)
+        self.draws += 1
+        self._target = None
+        return target.take(self.size) if target.rows == self.size else None
+
+    def drain(self) -> Iterator[tuple]:
+        """At the end of the stream: the rows still open, as whole batches, then the last one as
+        ``last_batch`` says."""
+        while True:
+            open_ = [batch for batch in self.batches if batch.rows]
+            if not open_:
+                return
+            target = open_[0]
+            while target.rows < self.size and len(open_) > 1:
+                source = open_[-1]
+                values, identity = source.last_row()
+                target.add(values, identity)  # copied into the target's row
+                source.drop_last_row()
+                if not source.rows:
+                    source.finish()  # let go of its tensors
+                    open_.pop()
+            if target.rows < self.size:
+                batch = target.finish()
+                if batch is not None:
+                    yield batch
+                return
+            yield target.take(self.size)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The open batches' rows by sample (``held``, in order; ``open``: rows per batch) and the draws."""
+        return {"draws": self.draws, "buffer": [list(identity) for batch in self.batches for identity in batch.ids],
+                "open": [batch.rows for batch in self.batches]}
+
+    def restore(self, state: dict[str, Any], held: dict[tuple[int, int], tuple]) -> None:
+        """Fill the open batches again with the samples a snapshot names (read again: ``held`` maps
+        (URL index, position) to the sample's values); one that could not be read is left out."""
+        self.draws = state["draws"]
+        entries = iter(state["buffer"])
+        for batch, rows in zip(self.batches, state["open"]):
+            for index, position, key in (next(entries) for _ in range(rows)):
+                values = held.get((index, position))
+                if values is not None:
+                    batch.add(values, (index, position, key))
 
 
 class _Snapshot:
@@ -269,6 +369,12 @@ class _Config:
     rank: int
     world_size: int
     streams: int  # logical workers: max(1, num_workers)
+
+    @property
+    def open_batches(self) -> int:
+        """Batches filled at once (_Batcher): as many as hold ``shuffle_buffer`` samples, at least two to
+        shuffle at all; one without a shuffle buffer."""
+        return 1 if self.shuffle_buffer <= 1 else max(2, -(-self.shuffle_buffer // self.batch_size))
 
     def fingerprint(self, epoch: int) -> dict[str, Any]:
         """What a saved state must match (JSON-able)."""
@@ -307,8 +413,8 @@ class _Streams(torch.utils.data.IterableDataset):
                                part=c.rank if split else 0, parts=c.world_size if split else 1)
             order = mine[worker::c.streams]
         key = (c.seed, self.epoch, c.rank, worker)  # every rank and worker shuffles its own way
-        return StreamSpec(urls, order, generator_key(*key, "shards"), generator_key(*key, "buffer"),
-                          c.shuffle_buffer, c.keys)
+        # The stream does not shuffle: its samples go to open batches drawn at random (_Batcher).
+        return StreamSpec(urls, order, generator_key(*key, "shards"), generator_key(*key, "buffer"), 0, c.keys)
 
     def __iter__(self) -> Iterator[tuple[tuple, _Snapshot]]:
         info = torch.utils.data.get_worker_info()
@@ -318,20 +424,35 @@ class _Streams(torch.utils.data.IterableDataset):
         worker = (self.first + physical) % count
         start = self.start.get(worker)
         spec = self.spec(worker)
-        batcher = _Batcher(self.config.batch_size, self.config.keys, self.config.last_batch)
+        config = self.config
+        batcher = _Batcher(config.batch_size, config.keys, config.last_batch, config.open_batches, spec.buffer_key)
+        shuffles = len(batcher.batches) > 1
         stream = SampleStream(spec, self.reader, self.errors, start)
-        stream.placer = batcher  # arrays are read into their batch rows (SampleStream.place)
+        stream.placer = batcher if shuffles else batcher.batches[0]  # arrays are read into their batch rows
         stream.reader = dataclasses.replace(self.reader, place=stream.place)
         made = start["batches"] if start else 0
+        if start:  # the samples the open batches held are read again into their rows
+            batcher.restore(start, _held_values(stream.restore(), config.keys, self.errors))
         for values in stream.tuples():
-            batch = batcher.add(values)
+            batch = batcher.add(values, stream.identity() if shuffles else None)
             if batch is not None:
                 made += 1
-                yield batch, _Snapshot(worker, {"worker": worker, "batches": made, **stream.snapshot()})
-        batch = batcher.finish()
-        if batch is not None:
+                yield batch, _Snapshot(worker, {"worker": worker, "batches": made, **stream.snapshot(),
+                                                **batcher.snapshot()})
+        for batch in batcher.drain():
             made += 1
-            yield batch, _Snapshot(worker, {"worker": worker, "batches": made, **stream.snapshot()})
+            yield batch, _Snapshot(worker, {"worker": worker, "batches": made, **stream.snapshot(),
+                                            **batcher.snapshot()})
+
+
+def _held_values(held: list[tuple[int, int, dict[str, Any]]], keys: tuple[str, ...], handler: Callable
+                 ) -> dict[tuple[int, int], tuple]:
+    """The values of samples read again for the open batches, by (URL index, position)."""
+    found = {}
+    for index, position, sample in held:
+        for values in sample_tuples(iter([sample]), keys, handler):
+            found[index, position] = values
+    return found
 
 
 @dataclasses.dataclass
@@ -480,8 +601,8 @@ class EtlLoader:
             if not isinstance(worker, int) or not 0 <= worker < config.streams or worker in workers:
                 raise LoaderStateError(f"loader state: worker entry {str(worker_state)[:80]} names no worker "
                                        f"of {config.streams}, or one twice")
-            problem = check_snapshot(worker_state, urls, config.shuffle_buffer) or _check_count(worker_state,
-                                                                                               "batches")
+            problem = (check_snapshot(worker_state, urls, config.open_batches * config.batch_size)
+                       or _check_count(worker_state, "batches") or _check_open(worker_state, config))
             if problem:
                 raise LoaderStateError(f"loader state: worker {worker}: {problem}")
             workers[worker] = plain(worker_state)
@@ -540,6 +661,17 @@ def _check_count(state: dict[str, Any], name: str) -> str | None:
     value = state.get(name)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         return f"'{name}' is not a non-negative integer"
+    return None
+
+
+def _check_open(state: dict[str, Any], config: _Config) -> str | None:
+    """What is wrong with a worker state's open batches (None: nothing)."""
+    rows = state.get("open")
+    if (not isinstance(rows, list) or len(rows) != config.open_batches
+            or not all(type(n) is int and 0 <= n < config.batch_size for n in rows)):
+        return f"'open' is not a list of {config.open_batches} row counts below {config.batch_size}"
+    if sum(rows) != len(state["buffer"]):
+        return f"'open' counts {sum(rows)} rows, 'buffer' names {len(state['buffer'])} samples"
     return None
 
 

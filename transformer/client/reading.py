@@ -141,14 +141,13 @@ def shard_samples(stream: BinaryIO, url: str, *, require_marker: bool = True, ar
         headers = _Headers(chunks, _MAX_MEMBER_BYTES)
         read, read_padded = chunks.read, chunks.read_padded
         while True:
-            offset = chunks.tell()
             block = read(BLOCK)
             plain = plain_member(block) if not headers.pax_headers else None
             if plain is not None:  # a plain regular file's header, the kind the ETL writes: no TarInfo
                 info, regular = None, True
                 name, size = plain
             else:  # anything else, by tarfile
-                info = header_from(headers, url, block, offset)
+                info = header_from(headers, url, block, chunks.tell() - len(block))
                 if info is None:
                     break  # the end-of-archive marker
                 if info.sparse is not None:
@@ -167,7 +166,7 @@ def shard_samples(stream: BinaryIO, url: str, *, require_marker: bool = True, ar
             if check.marker is not None or name == END_MARKER_NAME:
                 if info is None:
                     info = tarfile.TarInfo(name)
-                    info.offset = offset
+                    info.offset = chunks.tell() - BLOCK  # nothing was read since its header
                 check.member(Member(info=info, pieces=[_payload(chunks, size, name, url)]))
                 continue
             check.members += 1

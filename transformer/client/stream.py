@@ -176,6 +176,7 @@ class SampleStream:
         self.reader = reader
         self.handler = handler
         self.shard = 0
+        self.index = 0  # the URL index of the shard samples were last taken from
         self.taken = 0
         self.last: str | None = None
         self.ended = False
@@ -198,15 +199,28 @@ class SampleStream:
         return {"shard": self.shard, "taken": self.taken, "last": self.last, "ended": self.ended,
                 "draws": self.draws, "buffer": list(self._ids)}
 
+    def identity(self) -> tuple[int, int, str]:
+        """The last sample taken from the shards: (URL index, position in its shard, key)."""
+        return self.index, self.taken - 1, self.last  # type: ignore[return-value]
+
+    def restore(self) -> list[Entry]:
+        """Restore a saved state now (else the first sample does): the samples its ``buffer`` names are
+        read again. A stream without a shuffle buffer hands them over (to the batches that held them)."""
+        if self._state is not None:
+            state, self._state = self._state, None
+            self._restore(state)
+        if self.spec.buffer > 1:
+            return []
+        held, self.buffer, self._ids = self.buffer, [], []
+        return held
+
     def tuples(self) -> Iterator[tuple]:
         """Picked by ``keys`` and decoded (``.npy``, ``.cls``, ...); samples that fail go to the handler."""
         return sample_tuples(self.samples(), self.spec.keys, self.handler)
 
     def samples(self) -> Iterator[dict[str, Any]]:
         """The raw samples, shuffled: each one is taken into the buffer, and once it is full one is picked."""
-        if self._state is not None:
-            state, self._state = self._state, None
-            self._restore(state)
+        self.restore()
         size = self.spec.buffer
         if size <= 1:
             for _, _, sample in self._source():
@@ -255,6 +269,7 @@ class SampleStream:
 
     def _shard(self, shard: int, index: int, samples: Iterator[tuple[int, dict[str, Any]]]) -> Iterator[Entry]:
         try:
+            self.index = index
             for position, sample in samples:
                 self.shard, self.taken, self.last = shard, position + 1, sample["__key__"]
                 yield index, position, sample
