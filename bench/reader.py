@@ -192,7 +192,8 @@ def markdown(results: dict) -> str:
                      f"{row['cpu_ms_per_sample']:.3f} |")
     if results.get("mixing"):
         lines += ["", f"| shuffle (in-order shards of 256 samples, batches of {meta['batch_size']}) | samples held "
-                  "| shards per batch | largest share of one shard | neighbours in one batch |", "|---|---|---|---|---|"]
+                  "| shards per batch | largest share of one shard | neighbours in one batch |",
+                  "|---|---|---|---|---|"]
         for row in results["mixing"]:
             lines.append(f"| {row['shuffle']} | {row['held']} | {row['shards_per_batch']:.1f} | "
                          f"{row['largest_share']:.2f} | {row['neighbours_together']:.3f} |")
