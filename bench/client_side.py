@@ -117,13 +117,17 @@ def one_copy_batches(paths: list[Path], batch_size: int) -> Iterator[tuple]:
     """The floor a loader of ETL'd shards is measured against: tar headers and ``.npy`` headers read here
     with no checks beyond what finding the bytes needs, each array read with ``readinto`` straight into
     its row of a batch tensor (one copy, from the page cache), labels from ``.cls``. No end marker, no
-    grouping by key, no error handling. A new batch tensor per batch, as any loader whose batches the
-    training step keeps must allocate, by numpy as make_loader does (``torch.empty`` would fault 4 KB
-    pages: a float32 batch would cost about 4x more to fill)."""
+    grouping by key, no error handling. Batch arrays are allocated and reused as make_loader's are: by
+    numpy (``torch.empty`` would fault 4 KB pages: a float32 batch would cost about 4x more to fill),
+    and filled again once the consumer let go of them (the loader's ``_Recycler``), a new one while it
+    holds them."""
     import numpy as np
     import torch
     from numpy.lib import format as npy
 
+    from transformer.client.loader import _Recycler
+
+    recycler = _Recycler(keep=4)
     headers: dict[bytes, tuple] = {}
     images = labels = None
     row = 0
@@ -150,8 +154,11 @@ def one_copy_batches(paths: list[Path], batch_size: int) -> Iterator[tuple]:
                         if images is not None:
                             yield images, labels
                         # numpy's allocation, as make_loader's: large arrays get huge pages (fewer faults)
-                        batch = np.empty((batch_size, *shape), dtype)
+                        batch = recycler.take((batch_size, *shape), dtype)
+                        if batch is None:
+                            batch = np.empty((batch_size, *shape), dtype)
                         images, rows = torch.from_numpy(batch), batch.reshape(batch_size, -1).view(np.uint8)
+                        recycler.give(batch)
                         labels, row = torch.empty(batch_size, dtype=torch.int64), 0
                     stream.readinto(rows[row])
                     placed, row = row, row + 1

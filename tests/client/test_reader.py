@@ -195,3 +195,38 @@ def test_open_batches_shuffle_without_copying_and_end_whole() -> None:
     assert together < 0.2 * len(range(0, 8000, 7))  # neighbours in the stream rarely share a batch
     in_order, _ = scattered(1, 64, 200)  # one open batch: the stream's order
     assert [label for batch in in_order for label in batch] == list(range(200))
+
+
+def test_a_batch_array_is_reused_only_once_nothing_refers_to_it() -> None:
+    from transformer.client.loader import _Recycler
+
+    recycler = _Recycler(keep=2)
+    array = np.zeros((4, 3), np.float32)
+    tensor = torch.from_numpy(array)
+    row, part = array[1], tensor[:2]
+    recycler.give(array)
+    del array
+    assert recycler.take((4, 3), np.dtype(np.float32)) is None  # the tensor, a row and a slice refer to it
+    del tensor, row
+    assert recycler.take((4, 3), np.dtype(np.float32)) is None  # the slice still does
+    del part
+    assert recycler.take((4, 3), np.dtype(np.int64)) is None  # another dtype
+    reused = recycler.take((4, 3), np.dtype(np.float32))
+    assert reused is not None and reused.shape == (4, 3) and recycler.take((4, 3), np.dtype(np.float32)) is None
+
+
+@pytest.mark.parametrize("buffer", [0, 9])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_the_consumer_keeps_stay_as_they_were(tmp_path: Path, buffer: int, workers: int) -> None:
+    urls = labelled_shards(tmp_path, 4, 10)
+    loader = make_loader(urls, 3, keys=("npy", "cls"), num_workers=workers, shuffle_buffer=buffer, seed=1)
+    kept = list(loader)  # every batch held until the end: none may be filled again
+    assert sorted(label for _, labels in kept for label in labels.tolist()) == list(range(40))
+    for images, labels in kept:
+        for image, label in zip(images, labels.tolist()):
+            assert torch.equal(image, torch.full((3, 6, 5), float(label)))
+    dropped = [(images.clone(), labels) for images, labels in loader]  # each batch let go at once: reused
+    assert sorted(label for _, labels in dropped for label in labels.tolist()) == list(range(40))
+    for images, labels in dropped:
+        for image, label in zip(images, labels.tolist()):
+            assert torch.equal(image, torch.full((3, 6, 5), float(label)))

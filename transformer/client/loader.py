@@ -28,6 +28,7 @@ import hashlib
 import logging
 import multiprocessing
 import random
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -117,6 +118,36 @@ def urls_digest(urls: Sequence[str]) -> str:
     return digest.hexdigest()[:32]
 
 
+class _Recycler:
+    """The arrays of batches handed out, kept to be filled again once nothing else refers to them.
+
+    A fresh batch array is fresh memory: Linux zeroes each page on its first write, and numpy's
+    allocator (glibc) maps every array over 32 MB anew (a float32 batch of 64 is 38.5 MB), so
+    filling it costs about half as much again as the reading itself (``python -m bench.reader``).
+    A batch's array is reused only when its reference count says the batch tensor, its slices and
+    every numpy view of it are gone (the training step dropped the batch; a DataLoader worker's batch
+    once it was copied into shared memory for the main process); one the consumer still holds is
+    never touched, and a new one is allocated.
+    """
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self.arrays: list[np.ndarray] = []
+
+    def give(self, array: np.ndarray) -> None:
+        self.arrays.append(array)
+        if len(self.arrays) > self.keep:
+            del self.arrays[0]
+
+    def take(self, shape: tuple, dtype: np.dtype) -> np.ndarray | None:
+        arrays = self.arrays
+        for index in range(len(arrays)):
+            # 2: the list's reference and the argument's; any tensor, slice or view adds its own.
+            if sys.getrefcount(arrays[index]) == 2 and arrays[index].shape == shape and arrays[index].dtype == dtype:
+                return arrays.pop(index)
+        return None
+
+
 class _Batch:
     """One batch of ``size`` tuples being filled: array columns go into batch tensors allocated per
     batch, other columns are combined as webdataset's ``default_collation_fn`` does (ints -> a numpy
@@ -128,9 +159,10 @@ class _Batch:
     and a bool ``valid`` array appended to every batch).
     """
 
-    def __init__(self, size: int, keys: Sequence[str], last_batch: str):
+    def __init__(self, size: int, keys: Sequence[str], last_batch: str, recycler: _Recycler | None = None):
         self.size = size
         self.last_batch = last_batch
+        self.recycler = recycler or _Recycler(0)
         self.width = len(keys)
         self.column: dict[str, int] = {}  # extension -> the column it may fill
         for index, key in enumerate(keys):
@@ -158,7 +190,9 @@ class _Batch:
         # Allocated by numpy, which asks Linux for huge pages on large arrays (madvise): the first write
         # to a fresh 154 MB float32 batch costs 7 page faults per row instead of torch.empty's 147, about
         # a quarter of the time (python -m bench.reader; its floor reader allocates the same way).
-        view = np.empty((self.size, *shape), dtype)
+        view = self.recycler.take((self.size, *shape), dtype)
+        if view is None:
+            view = np.empty((self.size, *shape), dtype)
         try:
             tensor = torch.from_numpy(view)
         except TypeError:
@@ -226,7 +260,7 @@ class _Batch:
         """The last, incomplete batch as ``last_batch`` says (None: none)."""
         real = self.rows
         if not real or self.last_batch == "drop":
-            self._fresh()
+            self._release()
             return None
         if self.last_batch == "partial":
             return self.take(real)
@@ -250,8 +284,15 @@ class _Batch:
             valid = np.zeros(self.size, dtype=bool)
             valid[:self.size if real is None else real] = True
             columns.append(valid)
-        self._fresh()
+        self._release()
         return tuple(columns)
+
+    def _release(self) -> None:
+        """Start again, empty; the batch arrays go to the recycler (reused once no one holds them)."""
+        views = [view for view in self.views if view is not None]
+        self._fresh()
+        for view in views:
+            self.recycler.give(view)
 
 
 class _Batcher:
@@ -273,7 +314,8 @@ class _Batcher:
 
     def __init__(self, size: int, keys: Sequence[str], last_batch: str, count: int, key: bytes):
         self.size = size
-        self.batches = [_Batch(size, keys, last_batch) for _ in range(count)]
+        recycler = _Recycler(keep=(count + 4) * len(keys))  # the open batches' and a few in flight
+        self.batches = [_Batch(size, keys, last_batch, recycler) for _ in range(count)]
         self.key = key
         self.draws = 0  # samples taken, each by a draw of its batch
         self._sample: dict | None = None
