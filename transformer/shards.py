@@ -200,7 +200,10 @@ class _Chunks:
     GROW = 1 << 20  # a large member's buffer grows as its bytes arrive, never ahead of them by more
 
     def __init__(self, stream: BinaryIO):
-        self._stream, self._chunk, self._pos, self._base = stream, b"", 0, 0
+        head = b""
+        if type(stream) is _Prefixed:  # the sniffed head is the first chunk; then the stream itself
+            head, stream = stream._head, stream._stream
+        self._stream, self._chunk, self._pos, self._base = stream, head, 0, 0
         self._readinto = getattr(stream, "readinto", None)
         self.recorded: list[bytes] | None = None  # header blocks, kept while a header is parsed
 
