@@ -165,10 +165,16 @@ def summary(results: dict) -> list[dict]:
                 continue
             rates = [r["samples_per_s"] for r in mine]
             ratios = [r["samples_per_s"] / floor[r["round"]] for r in mine if r["round"] in floor]
+            steady = {r["round"]: r["steady_samples_per_s"] for r in reads
+                      if r["dtype"] == dtype and r["reader"] == FLOOR}
+            steady_ratios = [r["steady_samples_per_s"] / steady[r["round"]] for r in mine if r["round"] in steady]
             rows.append({"dtype": dtype, "reader": reader, "samples_per_s": median(rates), "min": min(rates),
                          "max": max(rates), "ratio": median(ratios), "ratio_min": min(ratios),
                          "ratio_max": max(ratios), "cpu_ms_per_sample": median(
-                             [r["cpu_s"] / r["samples"] * 1e3 for r in mine])})
+                             [r["cpu_s"] / r["samples"] * 1e3 for r in mine]),
+                         "steady_samples_per_s": median([r["steady_samples_per_s"] for r in mine]),
+                         "steady_ratio": median(steady_ratios), "steady_ratio_min": min(steady_ratios),
+                         "steady_ratio_max": max(steady_ratios)})
     return rows
 
 
@@ -182,14 +188,18 @@ def markdown(results: dict) -> str:
         f"round(s); {meta['cpus']} CPUs, load average at the end "
         f"{', '.join(f'{x:.1f}' for x in meta['load_average_end'])}.",
         "",
+        "Whole epoch, and its middle (a fifth of its batches to four fifths: after a shuffle's batches",
+        "first filled, touching their memory for the first time, and before they drain):",
+        "",
         "| dtype | reader | samples/s (median) | min - max over rounds | of the floor, same round (median) | "
-        "min - max | CPU ms/sample |",
-        "|---|---|---|---|---|---|---|",
+        "min - max | CPU ms/sample | middle: samples/s | of the floor | min - max |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in summary(results):
         lines.append(f"| {row['dtype']} | {row['reader']} | {row['samples_per_s']:,.0f} | {row['min']:,.0f} - "
                      f"{row['max']:,.0f} | {row['ratio']:.2f}x | {row['ratio_min']:.2f} - {row['ratio_max']:.2f} | "
-                     f"{row['cpu_ms_per_sample']:.3f} |")
+                     f"{row['cpu_ms_per_sample']:.3f} | {row['steady_samples_per_s']:,.0f} | "
+                     f"{row['steady_ratio']:.2f}x | {row['steady_ratio_min']:.2f} - {row['steady_ratio_max']:.2f} |")
     if results.get("mixing"):
         lines += ["", f"| shuffle (in-order shards of 256 samples, batches of {meta['batch_size']}) | samples held "
                   "| shards per batch | largest share of one shard | neighbours in one batch |",

@@ -100,9 +100,14 @@ def test_the_reader_bench_measures_every_reader_for_both_dtypes(reader_smoke: tu
         "web_loader (WebLoader, shards read whole)", "plain webdataset"}
     assert {dtype for dtype, _ in readers} == {"uint8", "float32"} and len(readers) == 10
     expected = results["meta"]["shards"] * results["meta"]["samples_per_shard"] * results["meta"]["passes"]
-    assert all(r["samples"] == expected and r["samples_per_s"] > 0 and r["cpu_s"] > 0 for r in results["reads"])
+    assert all(r["samples"] == expected and r["samples_per_s"] > 0 and r["cpu_s"] > 0 and r["steady_samples_per_s"] > 0
+               for r in results["reads"])
+    mixing = {row["shuffle"]: row for row in results["mixing"]}
+    assert mixing["make_loader, shuffle_buffer=1000"]["held"] == 1024  # 16 open batches of 64
+    assert (mixing["picking buffer of 500"]["neighbours_together"] > mixing["picking buffer of 1000"][
+        "neighbours_together"] > mixing["picking buffer of 2000"]["neighbours_together"] > 0)
     assert [(m["shuffle_buffer"], m["workers"]) for m in results["memory"]] == [(0, 0), (4, 1)]
     assert all(m["pss_peak"] >= m["pss_before"] > 0 for m in results["memory"])
     markdown = (out / "results.md").read_text()
-    assert "of the floor, same round" in markdown and "PSS peak" in markdown
+    assert "of the floor, same round" in markdown and "PSS peak" in markdown and "neighbours in one batch" in markdown
     assert results["meta"]["command"].startswith("python -m bench.reader --smoke")

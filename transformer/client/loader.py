@@ -5,8 +5,8 @@ Per DataLoader worker (``stream.SampleStream``)::
     shard list (epoch URLs, seeded shard shuffle, identical on every rank and worker)
       -> split by rank -> split by worker          (or: seeded draws with replacement, for endless streams)
       -> read each shard whole over HTTP           (reading.whole_shard_samples: end marker, cut reads continued;
-                                                    each .npy read in one copy, into its batch row without a buffer)
-      -> seeded shuffle buffer -> pick by keys, decode labels -> batch (tensors allocated by numpy)
+                                                    each .npy read in one copy, straight into its batch row)
+      -> pick by keys, decode labels -> one of the open batches, drawn at random (_Batcher: the shuffle)
 
 The shard order is shuffled *before* it is split, with a seed shared by all ranks and workers, so
 each shard is read exactly once per epoch across the whole job. Errors go to ``ErrorCounter``, which
@@ -14,7 +14,7 @@ counts (across worker processes), logs the first few and skips: webdataset's ``w
 sleeps 0.5 s per error.
 
 Resume: each batch a worker sends carries that worker's stream state right after it (which shard,
-how many of its samples, the shuffle buffer's samples by key, the draws made). The loader keeps the
+how many of its samples, the open batches' samples by key, the draws made). The loader keeps the
 last one per worker and the number of batches yielded; ``state_dict()`` is that, ``load_state_dict()``
 starts the next ``iter()`` where it was. The DataLoader hands batches out round-robin over its
 workers, skipping the ones that are done, and restarts its cycle at worker 0: so after a batch of
@@ -750,6 +750,8 @@ def make_loader(
     ``keys`` picks the tuple (webdataset ``to_tuple``; ``a;b`` means a, else b): by default the image
     ``.npy`` and the ``.cls`` label. ``last_batch``: ``partial`` (a smaller last batch per worker),
     ``drop``, or ``pad`` (repeat the last sample; a bool ``valid`` tensor is appended to each batch).
+    ``shuffle_buffer``: about how many samples each worker mixes, held in ``shuffle_buffer /
+    batch_size`` batches (rounded up, at least two) that fill at once; 0 or 1: stream order.
     ``resampled`` draws shards with replacement forever; ``epoch_batches`` then sets the epoch
     length (it also caps a finite stream, restarting it as needed). ``split_by_node`` splits shards by
     rank when ``WORLD_SIZE``/``torch.distributed`` say there are several (DDP). Workers beyond the
