@@ -304,8 +304,9 @@ class _Batcher:
     A buffer that picks samples in random order keeps each one in an array of its own and copies it
     into its batch row when it is picked, about a thousand samples later: its bytes are out of every
     cache by then, and the copy costs about as much as reading the sample (``python -m bench.reader``).
-    Here a sample costs the one copy from the stream; batches still mix samples from a window of about
-    ``count x size`` samples, as a buffer of that size does.
+    Here a sample costs the one copy from the stream; batches mix samples from a window of about
+    ``count x size`` samples, about as well as a picking buffer of half as many (``bench.reader``'s
+    mixing table).
 
     At the end of the stream the open batches' rows are gathered into whole batches: the last row of
     the last open batch moves into the first one until it is full (``drain``). The state between two
