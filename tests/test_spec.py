@@ -200,9 +200,10 @@ def test_interpolation_strings(text: str, mode: InterpolationMode) -> None:
     assert InterpolationMode(resize.interpolation) == mode
 
 
-def test_unknown_interpolation_lists_the_choices() -> None:
+@pytest.mark.parametrize("mode", ["cubic", [], {"a": 1}, 2])
+def test_unknown_interpolation_lists_the_choices(mode) -> None:
     with pytest.raises(OptionsError) as info:
-        build_pipeline([{"RandomRotation": {"degrees": 10, "interpolation": "cubic"}}])
+        build_pipeline([{"RandomRotation": {"degrees": 10, "interpolation": mode}}])
     assert info.value.field == "transforms[0] (RandomRotation)"
     assert "bicubic" in info.value.reason
 

@@ -324,7 +324,7 @@ def _build(name: str, steps: tuple[tuple[str, str], ...]) -> Pipeline:
         where = f"[{position}] ({step_name})"  # prefixed with the field by build_pipeline
         if "interpolation" in kwargs:
             mode = kwargs["interpolation"]
-            if mode not in _INTERPOLATIONS:
+            if not isinstance(mode, str) or mode not in _INTERPOLATIONS:
                 raise OptionsError(where, f"interpolation must be one of {sorted(_INTERPOLATIONS)}")
             kwargs["interpolation"] = _INTERPOLATIONS[mode]
         try:
