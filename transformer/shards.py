@@ -353,7 +353,7 @@ def _plain_file(block: bytes, offset: int) -> tarfile.TarInfo | None:
     if fields is None:
         return None
     mode, uid, gid, size, mtime, checksum, major, minor = fields
-    info = tarfile.TarInfo(_plain_name(block))
+    info = tarfile.TarInfo(_plain_name(block[:100], block[345:500]))
     info.mode, info.uid, info.gid, info.size, info.mtime, info.chksum = mode, uid, gid, size, mtime, checksum
     info.type, info.linkname = tarfile.REGTYPE, _text(block, 157, 257)
     info.uname, info.gname = _text(block, 265, 297), _text(block, 297, 329)
@@ -379,10 +379,16 @@ def _plain_fields(block: bytes) -> tuple[int, ...] | None:
             major, minor = map(int, devices.groups(), _OCTAL)
     except ValueError:  # a field of spaces only: tarfile decides
         return None
-    byte_sum = (zlib.adler32(block[:256]) & 0xFFFF) + (zlib.adler32(block[256:]) & 0xFFFF) - 2
-    if checksum != byte_sum - sum(block[148:156]) + 256:
+    if not _checksum_matches(block, checksum):
         return None  # tarfile also accepts the signed sum some old writers used, or refuses
     return mode, uid, gid, size, mtime, checksum, major, minor
+
+
+def _checksum_matches(block: bytes, checksum: int) -> bool:
+    """The header's byte sum with its checksum field read as spaces, as two Adler-32 sums (each half
+    block's byte sum is exact below Adler's modulus)."""
+    byte_sum = (zlib.adler32(block[:256]) & 0xFFFF) + (zlib.adler32(block[256:]) & 0xFFFF) - 2
+    return checksum == byte_sum - sum(block[148:156]) + 256
 
 
 # The whole header block of a plain ustar regular file: name, the numbers as ``_PLAIN_NUMBERS`` reads
@@ -406,18 +412,15 @@ def plain_member(block: bytes) -> tuple[str, int] | None:
         size, checksum = int(size, 8), int(checksum, 8)
     except ValueError:  # a field of spaces only: tarfile decides
         return None
-    byte_sum = (zlib.adler32(block[:256]) & 0xFFFF) + (zlib.adler32(block[256:]) & 0xFFFF) - 2
-    if checksum != byte_sum - sum(block[148:156]) + 256:
+    if not _checksum_matches(block, checksum):
         return None
+    return _plain_name(name, prefix), size
+
+
+def _plain_name(name: bytes, prefix: bytes) -> str:
+    """A ustar member's name from its name and prefix fields (NUL-terminated, decoded as ``_text``)."""
     name = name.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-    if prefix[0]:
-        name = prefix.split(b"\0", 1)[0].decode("utf-8", "surrogateescape") + "/" + name
-    return name, size
-
-
-def _plain_name(block: bytes) -> str:
-    name = _text(block, 0, 100)
-    return f"{_text(block, 345, 500)}/{name}" if block[345] else name
+    return prefix.split(b"\0", 1)[0].decode("utf-8", "surrogateescape") + "/" + name if prefix[0] else name
 
 
 def _text(block: bytes, start: int, end: int) -> str:

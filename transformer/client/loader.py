@@ -253,14 +253,12 @@ class _Batch:
         for values in self.lists:
             if values:
                 values.pop()
-        self.placed = [None] * self.width
-        self._sample = None
 
     def finish(self) -> tuple | None:
         """The last, incomplete batch as ``last_batch`` says (None: none)."""
         real = self.rows
         if not real or self.last_batch == "drop":
-            self._release()
+            self.release()
             return None
         if self.last_batch == "partial":
             return self.take(real)
@@ -284,10 +282,10 @@ class _Batch:
             valid = np.zeros(self.size, dtype=bool)
             valid[:self.size if real is None else real] = True
             columns.append(valid)
-        self._release()
+        self.release()
         return tuple(columns)
 
-    def _release(self) -> None:
+    def release(self) -> None:
         """Start again, empty; the batch arrays go to the recycler (reused once no one holds them)."""
         views = [view for view in self.views if view is not None]
         self._fresh()
@@ -319,7 +317,6 @@ class _Batcher:
         self.batches = [_Batch(size, keys, last_batch, recycler) for _ in range(count)]
         self.key = key
         self.draws = 0  # samples taken, each by a draw of its batch
-        self._sample: dict | None = None
         self._target: _Batch | None = None
 
     def _choose(self) -> _Batch:
@@ -355,7 +352,7 @@ class _Batcher:
                 target.add(values, identity)  # copied into the target's row
                 source.drop_last_row()
                 if not source.rows:
-                    source.finish()  # let go of its tensors
+                    source.release()
                     open_.pop()
             if target.rows < self.size:
                 batch = target.finish()
@@ -365,7 +362,7 @@ class _Batcher:
             yield target.take(self.size)
 
     def snapshot(self) -> dict[str, Any]:
-        """The open batches' rows by sample (``held``, in order; ``open``: rows per batch) and the draws."""
+        """The open batches' samples (``buffer``, in order; ``open``: rows per batch) and the draws."""
         return {"draws": self.draws, "buffer": [list(identity) for batch in self.batches for identity in batch.ids],
                 "open": [batch.rows for batch in self.batches]}
 
@@ -476,16 +473,18 @@ class _Streams(torch.utils.data.IterableDataset):
         made = start["batches"] if start else 0
         if start:  # the samples the open batches held are read again into their rows
             batcher.restore(start, _held_values(stream.restore(), config.keys, self.errors))
+        def after(batch: tuple) -> tuple[tuple, _Snapshot]:
+            nonlocal made
+            made += 1
+            return batch, _Snapshot(worker, {"worker": worker, "batches": made, **stream.snapshot(),
+                                             **batcher.snapshot()})
+
         for values in stream.tuples():
             batch = batcher.add(values, stream.identity() if shuffles else None)
             if batch is not None:
-                made += 1
-                yield batch, _Snapshot(worker, {"worker": worker, "batches": made, **stream.snapshot(),
-                                                **batcher.snapshot()})
+                yield after(batch)
         for batch in batcher.drain():
-            made += 1
-            yield batch, _Snapshot(worker, {"worker": worker, "batches": made, **stream.snapshot(),
-                                            **batcher.snapshot()})
+            yield after(batch)
 
 
 def _held_values(held: list[tuple[int, int, dict[str, Any]]], keys: tuple[str, ...], handler: Callable

@@ -139,9 +139,8 @@ def shard_samples(stream: BinaryIO, url: str, *, require_marker: bool = True, ar
             raise ShardError(url, f"not a tar archive ({exc})") from None
         chunks = _Chunks(stream)
         headers = _Headers(chunks, _MAX_MEMBER_BYTES)
-        read, read_padded = chunks.read, chunks.read_padded
         while True:
-            block = read(BLOCK)
+            block = chunks.read(BLOCK)
             plain = plain_member(block) if not headers.pax_headers else None
             if plain is not None:  # a plain regular file's header, the kind the ETL writes: no TarInfo
                 info, regular = None, True
@@ -179,9 +178,7 @@ def shard_samples(stream: BinaryIO, url: str, *, require_marker: bool = True, ar
             if arrays and (extension == "npy" or extension.endswith(".npy")):
                 fields[extension] = _array(chunks, size, name, url, fields, extension, place)
                 continue
-            data = read_padded(size) if size else b""
-            if len(data) != size:
-                raise ShardError(url, f"truncated inside member '{name}'")
+            data = _payload(chunks, size, name, url)
             fields[extension] = data if type(data) is bytes else bytes(data)
     except (IncompleteShard, _Duplicate):
         raise

@@ -346,17 +346,15 @@ _DECODERS: dict[str, Callable[[bytes], Any]] = {}
 
 def _decoder(name: str) -> Callable[[bytes], Any]:
     """What ``_DECODER.decode1(name, data)`` runs for ``name`` (a result of None: the data as it is),
-    looked up once per name: webdataset's own decoder table by the part after the last dot (its
-    ``basichandlers``), or the whole chain for ``.gz`` names (its ``gzfilter`` decompresses, then
-    decodes by the inner extension)."""
-    found = _DECODERS.get(name)
-    if found is None:
-        if ("." + name).endswith(".gz"):
-            found = functools.partial(_DECODER.decode1, name)
-        else:
-            found = autodecode.decoders.get(name.rsplit(".", 1)[-1], _same)
-        if len(_DECODERS) < 4096:
-            _DECODERS[name] = found
+    found once per name and kept in ``_DECODERS`` (callers look there first): webdataset's own decoder
+    table by the part after the last dot (its ``basichandlers``), or the whole chain for ``.gz`` names
+    (its ``gzfilter`` decompresses, then decodes by the inner extension)."""
+    if ("." + name).endswith(".gz"):
+        found = functools.partial(_DECODER.decode1, name)
+    else:
+        found = autodecode.decoders.get(name.rsplit(".", 1)[-1], _same)
+    if len(_DECODERS) < 4096:
+        _DECODERS[name] = found
     return found
 
 
