@@ -9,12 +9,16 @@ quick on two cores.
 
 from __future__ import annotations
 
+import io
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 
 from tests.contract.harness import Service, base_env, start_transformer
+from tests.httpserve import QuietServer
 from tests.shardgen import jpeg_bytes, make_tar
 
 from .fake_proxy import FakeProxy
@@ -65,3 +69,81 @@ def labelled_shard(first: int, count: int, size: tuple[int, int] = (64, 48)) -> 
         members.append((f"sample-{i:05d}.jpg", jpeg_bytes(i, size)))
         members.append((f"sample-{i:05d}.cls", str(i).encode()))
     return make_tar(members)
+
+
+# A whole shard as the service writes it, and a server that answers with chosen bodies: the whole-shard
+# and webdataset-way tests share them (one pool and one transform for the session).
+SAMPLES = 6
+
+
+@pytest.fixture(scope="session")
+def whole(pool_module) -> bytes:
+    """A shard as the service writes it: 6 samples of uint8 .npy + .cls, then the end marker."""
+    from transformer.config import Settings
+    from transformer.engine import transform_shard
+    from transformer.options import options_from_mapping
+
+    options = options_from_mapping(SMALL, Settings.from_env({}))
+    data = b"".join(transform_shard(io.BytesIO(labelled_shard(0, SAMPLES)), options, pool_module, shard="s.tar",
+                                    object_name="s.tar", window=4))
+    return bytes(data)
+
+
+@pytest.fixture(scope="session")
+def pool_module():
+    from transformer.engine import TransformPool
+
+    pool = TransformPool(workers=2, max_inflight=8)
+    yield pool
+    pool.shutdown()
+
+
+class Served:
+    """A chunked HTTP/1.1 server on 127.0.0.1 answering each path with a list of bodies, one per GET
+    (the last one repeats): a cut first read and a whole second one, for instance."""
+
+    def __init__(self, bodies: dict[str, list[bytes]]):
+        self.bodies = bodies
+        self.hits: dict[str, int] = {}
+        served = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                hit = served.hits[self.path] = served.hits.get(self.path, 0) + 1
+                answers = served.bodies[self.path]
+                body = answers[min(hit, len(answers)) - 1]
+                self.send_response(200)
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                # A reader that stops early (an error raised at once) ends this with a ConnectionError,
+                # which QuietServer drops along with the connection.
+                for start in range(0, len(body), 65536):
+                    part = body[start:start + 65536]
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+                self.wfile.write(b"0\r\n\r\n")  # cleanly terminated, whatever the body holds
+
+        self.server = QuietServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def served():
+    servers = []
+
+    def serve(bodies: dict[str, list[bytes]]) -> Served:
+        servers.append(Served(bodies))
+        return servers[-1]
+
+    yield serve
+    for server in servers:
+        server.close()

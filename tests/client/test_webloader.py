@@ -9,12 +9,13 @@ import webdataset as wds
 
 from transformer.client import ErrorCounter, EtlWebDataset, etl_dataset, web_loader
 
-from .test_whole_shards import SAMPLES, TARGET_ERROR, members_of, pool_module, served, whole  # noqa: F401
+from .conftest import SAMPLES
+from .test_whole_shards import TARGET_ERROR, members_of
 
 LABELS = list(range(SAMPLES))  # the whole shard's labels: sample i has label i
 
 
-def test_the_articles_webloader_code_reads_etl_urls(whole: bytes, served) -> None:  # noqa: F811
+def test_the_articles_webloader_code_reads_etl_urls(whole: bytes, served) -> None:
     server = served({f"/s-{i}.tar": [whole] for i in range(3)})
     urls = [f"{server.url}/s-{i}.tar" for i in range(3)]
     # The articles' code, with etl_dataset(urls) where wds.WebDataset(urls) stood.
@@ -29,7 +30,7 @@ def test_the_articles_webloader_code_reads_etl_urls(whole: bytes, served) -> Non
     assert sorted(labels) == sorted(LABELS * 3)
 
 
-def test_web_loader_builds_the_same_loader(whole: bytes, served) -> None:  # noqa: F811
+def test_web_loader_builds_the_same_loader(whole: bytes, served) -> None:
     server = served({f"/s-{i}.tar": [whole] for i in range(2)})
     loader = web_loader([f"{server.url}/s-{i}.tar" for i in range(2)], 4, keys=("npy", "cls"), num_workers=2)
     assert isinstance(loader, wds.WebLoader)
@@ -38,7 +39,7 @@ def test_web_loader_builds_the_same_loader(whole: bytes, served) -> None:  # noq
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_a_cut_shard_is_an_error_naming_it_never_a_shorter_shard(whole: bytes, served, workers: int) -> None:  # noqa: F811
+def test_a_cut_shard_is_an_error_naming_it_never_a_shorter_shard(whole: bytes, served, workers: int) -> None:
     cut = whole[:members_of(whole)[6].offset] + TARGET_ERROR  # 3 samples, then the target's error
     server = served({"/whole.tar": [whole], "/cut.tar": [cut]})
     urls = [server.url + "/whole.tar", server.url + "/cut.tar"]
@@ -55,7 +56,7 @@ def test_a_cut_shard_is_an_error_naming_it_never_a_shorter_shard(whole: bytes, s
     assert errors.count == 1 and sorted(labels) == sorted(LABELS + LABELS[:2])
 
 
-def test_a_cut_read_is_continued_by_the_webloader_too(whole: bytes, served) -> None:  # noqa: F811
+def test_a_cut_read_is_continued_by_the_webloader_too(whole: bytes, served) -> None:
     cut = whole[:members_of(whole)[7].offset + 100] + TARGET_ERROR
     server = served({"/s.tar": [cut, whole]})
     loader = web_loader([server.url + "/s.tar"], 4, keys=("npy", "cls"), num_workers=0, shardshuffle=False,

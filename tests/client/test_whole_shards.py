@@ -11,16 +11,13 @@ from __future__ import annotations
 import io
 import json
 import tarfile
-import threading
 import uuid
-from http.server import BaseHTTPRequestHandler
 
 import numpy as np
 import pytest
 import webdataset as wds
 
 from tests.contract.harness import Service
-from tests.httpserve import QuietServer
 from tests.shardgen import make_tar, read_tar
 from transformer.client import (
     ClientError,
@@ -33,87 +30,13 @@ from transformer.client import (
 from transformer.client.dali import EtlBatchSource
 from transformer.integrity import END_MARKER_NAME
 
-from .conftest import SMALL, labelled_shard
+from .conftest import SAMPLES, SMALL, labelled_shard
 from .fake_proxy import FakeProxy
 from .test_service_loader import fill_bucket
 
 KEYS = ("npy", "cls", "__key__")
-SAMPLES = 6
 TARGET_ERROR = json.dumps({"message": "ETL wds-etl: failed to copy the transformed object: unexpected EOF",
                            "method": "GET", "url_path": "/v1/objects/b/s.tar", "status": 500}).encode()
-
-
-@pytest.fixture(scope="module")
-def whole(pool_module) -> bytes:
-    """A shard as the service writes it: 6 samples of uint8 .npy + .cls, then the end marker."""
-    from transformer.config import Settings
-    from transformer.engine import transform_shard
-    from transformer.options import options_from_mapping
-
-    options = options_from_mapping(SMALL, Settings.from_env({}))
-    data = b"".join(transform_shard(io.BytesIO(labelled_shard(0, SAMPLES)), options, pool_module, shard="s.tar",
-                                    object_name="s.tar", window=4))
-    return bytes(data)
-
-
-@pytest.fixture(scope="module")
-def pool_module():
-    from transformer.engine import TransformPool
-
-    pool = TransformPool(workers=2, max_inflight=8)
-    yield pool
-    pool.shutdown()
-
-
-class Served:
-    """A chunked HTTP/1.1 server on 127.0.0.1 answering each path with a list of bodies, one per GET
-    (the last one repeats): a cut first read and a whole second one, for instance."""
-
-    def __init__(self, bodies: dict[str, list[bytes]]):
-        self.bodies = bodies
-        self.hits: dict[str, int] = {}
-        served = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                hit = served.hits[self.path] = served.hits.get(self.path, 0) + 1
-                answers = served.bodies[self.path]
-                body = answers[min(hit, len(answers)) - 1]
-                self.send_response(200)
-                self.send_header("Transfer-Encoding", "chunked")
-                self.end_headers()
-                # A reader that stops early (an error raised at once) ends this with a ConnectionError,
-                # which QuietServer drops along with the connection.
-                for start in range(0, len(body), 65536):
-                    part = body[start:start + 65536]
-                    self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
-                self.wfile.write(b"0\r\n\r\n")  # cleanly terminated, whatever the body holds
-
-        self.server = QuietServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.fixture
-def served():
-    servers = []
-
-    def serve(bodies: dict[str, list[bytes]]) -> Served:
-        servers.append(Served(bodies))
-        return servers[-1]
-
-    yield serve
-    for server in servers:
-        server.close()
 
 
 def members_of(shard: bytes) -> list[tarfile.TarInfo]:
