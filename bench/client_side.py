@@ -178,12 +178,10 @@ def one_copy_batches(paths: list[Path], batch_size: int) -> Iterator[tuple]:
 
 def reader_cases(batch_size: int) -> dict:
     """Reader name -> a function of the shard paths returning an iterable of (images, labels, ...)."""
-    from transformer.client import make_loader, web_loader
+    from transformer.client import web_loader
 
     def loader(buffer: int):
-        return lambda paths: make_loader([str(p) for p in paths], batch_size, keys=("npy", "cls"), num_workers=0,
-                                         shuffle_shards=False, shuffle_buffer=buffer, split_by_node=False,
-                                         pin_memory=False)
+        return lambda paths: _disk_loader([str(p) for p in paths], batch_size, buffer)
 
     return {
         "one-copy reader (floor)": lambda paths: one_copy_batches(paths, batch_size),
@@ -221,32 +219,40 @@ def read_all(case, paths: list[Path], expected: int) -> dict:
 
 def read_in_process(reader: str, paths: list[Path], expected: int, batch_size: int) -> dict:
     """``read_all`` in a process of its own. Each reader starts from a fresh heap: which batch
-    allocations page-fault (a float32 batch of 64 is 154 MB) depends on what the process freed before,
+    allocations page-fault (a float32 batch of 64 is 38.5 MB) depends on what the process freed before,
     so readers measured one after another in one process would inherit each other's heap."""
-    done = subprocess.run([sys.executable, "-m", "bench.client_side", "read", json.dumps({
-        "reader": reader, "paths": [str(p) for p in paths], "expected": expected, "batch_size": batch_size})],
-        capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[1])
-    if done.returncode != 0:
-        raise RuntimeError(f"{reader}: {done.stderr[-2000:]}")
-    return json.loads(done.stdout.splitlines()[-1])
+    return _in_child("read", {"reader": reader, "paths": [str(p) for p in paths], "expected": expected,
+                              "batch_size": batch_size}, f"{reader}: ")
 
 
 def loader_memory(paths: list[Path], batch_size: int, shuffle_buffer: int, workers: int) -> dict:
     """Peak memory of a ``make_loader`` over one epoch of ``paths``, in a process of its own: the sum
     of PSS (proportional set size: shared pages split between the processes sharing them) of the
     loader's process and its workers, before the epoch and at its peak (sampled every 50 ms)."""
-    done = subprocess.run([sys.executable, "-m", "bench.client_side", "memory", json.dumps({
-        "paths": [str(p) for p in paths], "batch_size": batch_size, "shuffle_buffer": shuffle_buffer,
-        "workers": workers})], capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[1])
+    return _in_child("memory", {"paths": [str(p) for p in paths], "batch_size": batch_size,
+                                "shuffle_buffer": shuffle_buffer, "workers": workers}, "memory run failed: ")
+
+
+def _in_child(command: str, spec: dict, failure: str) -> dict:
+    """``python -m bench.client_side <command> <spec>`` in a fresh process: the JSON it prints last."""
+    done = subprocess.run([sys.executable, "-m", "bench.client_side", command, json.dumps(spec)],
+                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[1])
     if done.returncode != 0:
-        raise RuntimeError(f"memory run failed: {done.stderr[-2000:]}")
+        raise RuntimeError(f"{failure}{done.stderr[-2000:]}")
     return json.loads(done.stdout.splitlines()[-1])
+
+
+def _disk_loader(paths: list[str], batch_size: int, shuffle_buffer: int, workers: int = 0):
+    """``make_loader`` over shards on disk, in their order, on this machine alone."""
+    from transformer.client import make_loader
+
+    return make_loader(paths, batch_size, keys=("npy", "cls"), num_workers=workers, shuffle_shards=False,
+                       shuffle_buffer=shuffle_buffer, split_by_node=False, pin_memory=False)
 
 
 def _memory_child(spec: dict) -> dict:
     import psutil
 
-    from transformer.client import make_loader
 
     me = psutil.Process()
 
@@ -257,9 +263,7 @@ def _memory_child(spec: dict) -> dict:
                 total += process.memory_full_info().pss
         return total
 
-    loader = make_loader(spec["paths"], spec["batch_size"], keys=("npy", "cls"), num_workers=spec["workers"],
-                         shuffle_shards=False, shuffle_buffer=spec["shuffle_buffer"], split_by_node=False,
-                         pin_memory=False)
+    loader = _disk_loader(spec["paths"], spec["batch_size"], spec["shuffle_buffer"], spec["workers"])
     before = pss()
     peak = [before]
     stop = threading.Event()
@@ -277,9 +281,10 @@ def _memory_child(spec: dict) -> dict:
             "pss_before": before, "pss_peak": max(peak[0], pss())}
 
 
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "memory":
-    print(json.dumps(_memory_child(json.loads(sys.argv[2]))))
-elif __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "read":
-    _spec = json.loads(sys.argv[2])
-    print(json.dumps(read_all(reader_cases(_spec["batch_size"])[_spec["reader"]], [Path(p) for p in _spec["paths"]],
-                              _spec["expected"])))
+def _read_child(spec: dict) -> dict:
+    return read_all(reader_cases(spec["batch_size"])[spec["reader"]], [Path(p) for p in spec["paths"]],
+                    spec["expected"])
+
+
+if __name__ == "__main__" and len(sys.argv) == 3:
+    print(json.dumps({"read": _read_child, "memory": _memory_child}[sys.argv[1]](json.loads(sys.argv[2]))))

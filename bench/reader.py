@@ -158,16 +158,15 @@ def summary(results: dict) -> list[dict]:
     rows = []
     reads = results["reads"]
     for dtype in DTYPES:
-        floor = {r["round"]: r["samples_per_s"] for r in reads if r["dtype"] == dtype and r["reader"] == FLOOR}
+        floors = {r["round"]: r for r in reads if r["dtype"] == dtype and r["reader"] == FLOOR}
         for reader in dict.fromkeys(r["reader"] for r in reads):
             mine = [r for r in reads if r["dtype"] == dtype and r["reader"] == reader]
             if not mine:
                 continue
             rates = [r["samples_per_s"] for r in mine]
-            ratios = [r["samples_per_s"] / floor[r["round"]] for r in mine if r["round"] in floor]
-            steady = {r["round"]: r["steady_samples_per_s"] for r in reads
-                      if r["dtype"] == dtype and r["reader"] == FLOOR}
-            steady_ratios = [r["steady_samples_per_s"] / steady[r["round"]] for r in mine if r["round"] in steady]
+            ratios = [r["samples_per_s"] / floors[r["round"]]["samples_per_s"] for r in mine if r["round"] in floors]
+            steady_ratios = [r["steady_samples_per_s"] / floors[r["round"]]["steady_samples_per_s"] for r in mine
+                             if r["round"] in floors]
             rows.append({"dtype": dtype, "reader": reader, "samples_per_s": median(rates), "min": min(rates),
                          "max": max(rates), "ratio": median(ratios), "ratio_min": min(ratios),
                          "ratio_max": max(ratios), "cpu_ms_per_sample": median(

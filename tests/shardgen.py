@@ -124,3 +124,12 @@ def torchvision_decode(data: bytes, rgb: bool = False):  # -> torch.Tensor (torc
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torchvision\.io")
         return decode_image(encoded, mode=ImageReadMode.RGB if rgb else ImageReadMode.UNCHANGED)
+
+
+def npy_bytes(array: np.ndarray, version: tuple[int, int] | None = None) -> bytes:
+    """The ``.npy`` member numpy writes for ``array`` (``np.save``'s bytes; ``version`` to force one)."""
+    from numpy.lib import format as npy
+
+    buffer = io.BytesIO()
+    npy.write_array(buffer, array, version=version, allow_pickle=True)
+    return buffer.getvalue()

@@ -18,7 +18,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NPY_PAYLOAD = {"float32": 3 * 224 * 224 * 4, "uint8": 3 * 224 * 224}  # bytes of one (3, 224, 224) array
 
-pytestmark = pytest.mark.skipif(shutil.which("curl") is None, reason="the benchmark drives HTTP with curl")
+needs_curl = pytest.mark.skipif(shutil.which("curl") is None, reason="the benchmark drives HTTP with curl")
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +34,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     return json.loads((out / "results.json").read_text()), out
 
 
+@needs_curl
 def test_every_section_ran_and_nothing_was_skipped(smoke: tuple[dict, Path]) -> None:
     results, _ = smoke
     assert results["skipped"] == []
@@ -56,6 +57,7 @@ def test_every_section_ran_and_nothing_was_skipped(smoke: tuple[dict, Path]) -> 
     assert all(c["samples"] > 0 and c["complete"] for c in results["client"])
 
 
+@needs_curl
 def test_both_servers_returned_a_float32_array_per_image(smoke: tuple[dict, Path]) -> None:
     results, _ = smoke
     shard_images = {s["name"]: s["images"] for s in results["shards"]["demo"]}
@@ -71,6 +73,7 @@ def test_both_servers_returned_a_float32_array_per_image(smoke: tuple[dict, Path
     assert [r["round"] for r in results["uint8"]] == [0]
 
 
+@needs_curl
 def test_report_files_are_written(smoke: tuple[dict, Path]) -> None:
     results, out = smoke
     markdown = (out / "results.md").read_text()

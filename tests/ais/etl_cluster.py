@@ -185,7 +185,8 @@ def _start_node(binary: Path, role: str, node: str, folder: Path, config: Path, 
                 mountpath_root: Path | None = None, public_port: int | None = None) -> Node:
     """One aisnode on ``node``'s address, inside its own mount namespace with the service account."""
     host = NODES[node]
-    ports = (public_port or free_ports(1, host)[0], *free_ports(2, host))
+    picked = [port for port in free_ports(4, host) if port != public_port]  # none taken twice
+    ports = (public_port or picked[2], picked[0], picked[1])
     folder.mkdir(parents=True)
     (folder / "conf").mkdir()
     (folder / "log").mkdir()

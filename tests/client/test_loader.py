@@ -15,16 +15,11 @@ import pytest
 import torch
 
 from tests.httpserve import QuietServer
-from tests.shardgen import sealed
+from tests.shardgen import npy_bytes, sealed
 from transformer.client import ClientError, ErrorCounter, ShardFetchError, make_loader, open_shard
 
 KEYS = ("npy", "cls", "__key__")
 
-
-def npy_bytes(array: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, array)
-    return buffer.getvalue()
 
 
 def write_shards(folder: Path, shards: int, per_shard: int, *, broken: dict[int, str] | None = None) -> list[str]:

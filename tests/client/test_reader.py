@@ -11,20 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from numpy.lib import format as npy
 from webdataset.tariterators import base_plus_ext
 
-from tests.shardgen import make_tar, sealed
+from tests.shardgen import make_tar, npy_bytes, sealed
 from transformer.client import ErrorCounter, make_loader, shard_samples
 from transformer.client.reading import MalformedMember, split_key
 from transformer.shards import _plain_file, _ustar_header, plain_member
-
-
-def npy_bytes(array: np.ndarray, version: tuple[int, int] | None = None) -> bytes:
-    buffer = io.BytesIO()
-    npy.write_array(buffer, array, version=version, allow_pickle=True)
-    return buffer.getvalue()
-
 
 ARRAYS = {
     "u8": np.arange(3 * 5 * 7, dtype=np.uint8).reshape(3, 5, 7),
@@ -44,7 +36,7 @@ def shard_of(members: list[tuple[str, bytes]]) -> bytes:
     return sealed(make_tar(members))
 
 
-def test_arrays_are_what_np_load_reads(tmp_path: Path) -> None:
+def test_arrays_are_what_np_load_reads() -> None:
     members = [(f"{name}.npy", npy_bytes(array)) for name, array in ARRAYS.items()]
     members.append(("v2.npy", npy_bytes(ARRAYS["u8"], version=(2, 0))))  # handed to np.load as bytes
     members.append(("object.npy", npy_bytes(np.array([{"a": 1}], dtype=object))))  # np.load refuses it
@@ -191,7 +183,8 @@ def test_open_batches_shuffle_without_copying_and_end_whole() -> None:
     displacement = np.abs(np.array(order) - np.arange(8000))
     assert 200 < displacement.mean() < 2000  # mixed over about a thousand samples, as a 1000-sample buffer
     assert min(labels[0]) < 64 and max(labels[0]) > 400  # the first batch leaves after hundreds of samples
-    together = sum(order.index(n + 1) // 64 == order.index(n) // 64 for n in range(0, 8000, 7))
+    position = {label: index for index, label in enumerate(order)}
+    together = sum(position[n + 1] // 64 == position[n] // 64 for n in range(0, 8000, 7))
     assert together < 0.2 * len(range(0, 8000, 7))  # neighbours in the stream rarely share a batch
     in_order, _ = scattered(1, 64, 200)  # one open batch: the stream's order
     assert [label for batch in in_order for label in batch] == list(range(200))

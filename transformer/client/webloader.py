@@ -19,6 +19,7 @@ from typing import Any
 
 import webdataset as wds
 
+from .loader import DEFAULT_KEYS
 from .reading import tarfile_to_whole_samples
 
 Handler = Callable[[BaseException], bool]
@@ -63,7 +64,7 @@ def etl_dataset(urls: str | Sequence[str], **kwargs: Any) -> EtlWebDataset:
     return EtlWebDataset(urls, **kwargs)
 
 
-def web_loader(urls: str | Sequence[str], batch_size: int, *, keys: Sequence[str] = ("npy;image.npy", "cls"),
+def web_loader(urls: str | Sequence[str], batch_size: int, *, keys: Sequence[str] = DEFAULT_KEYS,
                num_workers: int = 2, shuffle_buffer: int = 1000, shardshuffle: int | bool = 100, seed: int = 0,
                handler: Handler = wds.reraise_exception, retries: int = 2, require_marker: bool = True,
                timeout: tuple[float, float] = (10.0, 300.0), resampled: bool = False,
