@@ -15,6 +15,7 @@ from transformer.client import (
     ErrorCounter,
     EtlRequestError,
     IncompleteShard,
+    etl_logs,
     make_loader,
     open_shard,
     register,
@@ -129,18 +130,23 @@ def test_offline_job_records_the_failing_object_or_stores_it_cut(etl_client, etl
         job = transform_bucket(etl_client, name, "fail-src", destination, timeout=300,
                                options={"preset": "imagenet-val", "dtype": "uint8", "seed": 7, "on_error": "fail"})
         stored = sorted(e.name for e in etl_client.bucket(destination).list_all_objects())
-        assert {"good-0.tar", "good-1.tar", "good-2.tar"} <= set(stored)
+
+        def evidence() -> str:  # evaluated only when an assertion fails
+            logs = "\n".join(f"--- {target}\n{text[-3000:]}" for target, text in etl_logs(etl_client, name).items())
+            return f"job {job}\nstored {stored}\npod logs:\n{logs}"
+
+        assert {"good-0.tar", "good-1.tar", "good-2.tar"} <= set(stored), evidence()
         recorded = dict(job.object_errors)
         expected = OFFLINE_OUTCOMES[(comm, placement)]
         if expected is None:
-            assert recorded == {}, recorded
+            assert recorded == {}, evidence()
             url = etl_client.bucket(destination).object("mid-fail.tar").get_url()
             with pytest.raises(IncompleteShard, match="mid-fail.tar"):  # the copy's reader refuses it
                 list(shard_samples(open_shard(url), url))
         else:
-            assert list(recorded) == ["ais://fail-src/mid-fail.tar"], recorded
-            assert expected in recorded["ais://fail-src/mid-fail.tar"], recorded
-            assert "mid-fail.tar" not in stored
+            assert list(recorded) == ["ais://fail-src/mid-fail.tar"], evidence()
+            assert expected in recorded["ais://fail-src/mid-fail.tar"], evidence()
+            assert "mid-fail.tar" not in stored, evidence()
     finally:
         unregister(etl_client, name)
 
