@@ -10,12 +10,13 @@ read in one copy), ``stream`` (one resumable stream of samples), ``loader`` (mak
 state_dict/load_state_dict), ``webloader`` (the webdataset way: ``web_loader``, ``etl_dataset``, a
 ``wds.WebLoader`` over whole shards), ``prefetch`` (CudaPrefetcher), ``convert`` (folder datasets ->
 shards in a bucket), ``shuffle`` (dSort), ``offline`` (an ETL'd copy of a bucket, job errors, pod
-logs), ``dali`` (external_source feeder).
+logs), ``download`` (links fetched and transformed by the pods, stored in a bucket), ``dali`` (external_source feeder).
 """
 
 from ..integrity import IncompleteShard
 from .convert import ConvertReport, convert
 from .dali import EtlBatchSource, read_etl_shards
+from .download import DownloadJob, download
 from .errors import (
     ClientError,
     ConvertError,
@@ -58,6 +59,7 @@ __all__ = [
     "ConvertError",
     "ConvertReport",
     "CudaPrefetcher",
+    "DownloadJob",
     "EpochUrls",
     "ErrorCounter",
     "EtlBatchSource",
@@ -78,6 +80,7 @@ __all__ = [
     "ShuffleError",
     "ShuffleResult",
     "check_offline_options",
+    "download",
     "convert",
     "dsort_framework",
     "encode_etl_args",
