@@ -154,11 +154,9 @@ def one_copy_batches(paths: list[Path], batch_size: int) -> Iterator[tuple]:
                         if images is not None:
                             yield images, labels
                         # numpy's allocation, as make_loader's: large arrays get huge pages (fewer faults)
-                        batch = recycler.take((batch_size, *shape), dtype)
-                        if batch is None:
-                            batch = np.empty((batch_size, *shape), dtype)
-                        images, rows = torch.from_numpy(batch), batch.reshape(batch_size, -1).view(np.uint8)
-                        recycler.give(batch)
+                        images, batch, _ = recycler.array((batch_size, *shape), dtype)
+                        rows = batch.reshape(batch_size, -1).view(np.uint8)
+                        recycler.give(batch, -1)
                         labels, row = torch.empty(batch_size, dtype=torch.int64), 0
                     stream.readinto(rows[row])
                     placed, row = row, row + 1
@@ -180,13 +178,15 @@ def reader_cases(batch_size: int) -> dict:
     """Reader name -> a function of the shard paths returning an iterable of (images, labels, ...)."""
     from transformer.client import web_loader
 
-    def loader(buffer: int):
-        return lambda paths: _disk_loader([str(p) for p in paths], batch_size, buffer)
+    def loader(buffer: int, workers: int = 0):
+        return lambda paths: _disk_loader([str(p) for p in paths], batch_size, buffer, workers)
 
     return {
         "one-copy reader (floor)": lambda paths: one_copy_batches(paths, batch_size),
         "make_loader, shuffle_buffer=0": loader(0),
         "make_loader, shuffle_buffer=1000": loader(1000),
+        # the reading in a DataLoader worker, its batches sent to this process through shared memory
+        "make_loader, shuffle_buffer=1000, num_workers=1": loader(1000, 1),
         "web_loader (WebLoader, shards read whole)": lambda paths: web_loader(
             [str(p) for p in paths], batch_size, keys=("npy", "cls"), num_workers=0, shuffle_buffer=0,
             shardshuffle=False),

@@ -5,8 +5,10 @@ imagenet-val preset, uint8 and float32), side by side in rounds: each round runs
 per dtype, in turn, so ratios compare figures taken under the same load; each run in a fresh process
 (``client_side.read_in_process``: the heap a reader inherits decides which batches page-fault).
 Readers (``client_side``): the minimal one-copy reader (the floor), ``make_loader`` without and with
-a 1000-sample shuffle buffer, ``web_loader`` (the webdataset way, shards read whole), plain
-webdataset. Then the loader's memory (PSS of its process and workers) per shuffle buffer and worker count.
+a 1000-sample shuffle buffer, the latter also in one DataLoader worker (``num_workers=1``: the
+reading on a second core, each batch sent through shared memory; its CPU figure is the receiving
+process's alone), ``web_loader`` (the webdataset way, shards read whole), plain webdataset. Then
+the loader's memory (PSS of its process and workers) per shuffle buffer and worker count.
 
 Outputs in ``--out`` (default ``bench/results/reader``): ``results.json`` and ``results.md``.
 """
@@ -180,7 +182,7 @@ def summary(results: dict) -> list[dict]:
 def markdown(results: dict) -> str:
     meta = results["meta"]
     lines = [
-        "# Reading ETL'd shards on one core", "",
+        "# Reading ETL'd shards on one core (and in one DataLoader worker)", "",
         f"`{meta['command']}`, {meta['started']}, {meta['duration_s']:.0f} s; {meta['shards']} shards x "
         f"{meta['samples_per_shard']} samples (3x224x224), read {meta['passes']} times per epoch, batches of "
         f"{meta['batch_size']}, {meta['rounds']} "

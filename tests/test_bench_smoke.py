@@ -100,8 +100,9 @@ def test_the_reader_bench_measures_every_reader_for_both_dtypes(reader_smoke: tu
     readers = {(r["dtype"], r["reader"]) for r in results["reads"]}
     assert {reader for _, reader in readers} == {
         "one-copy reader (floor)", "make_loader, shuffle_buffer=0", "make_loader, shuffle_buffer=1000",
-        "web_loader (WebLoader, shards read whole)", "plain webdataset"}
-    assert {dtype for dtype, _ in readers} == {"uint8", "float32"} and len(readers) == 10
+        "make_loader, shuffle_buffer=1000, num_workers=1", "web_loader (WebLoader, shards read whole)",
+        "plain webdataset"}
+    assert {dtype for dtype, _ in readers} == {"uint8", "float32"} and len(readers) == 12
     expected = results["meta"]["shards"] * results["meta"]["samples_per_shard"] * results["meta"]["passes"]
     assert all(r["samples"] == expected and r["samples_per_s"] > 0 and r["cpu_s"] > 0 and r["steady_samples_per_s"] > 0
                for r in results["reads"])

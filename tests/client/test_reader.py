@@ -197,15 +197,73 @@ def test_a_batch_array_is_reused_only_once_nothing_refers_to_it() -> None:
     array = np.zeros((4, 3), np.float32)
     tensor = torch.from_numpy(array)
     row, part = array[1], tensor[:2]
-    recycler.give(array)
+    recycler.give(array, -1)
     del array
-    assert recycler.take((4, 3), np.dtype(np.float32)) is None  # the tensor, a row and a slice refer to it
+    assert recycler._take((4, 3), np.dtype(np.float32)) is None  # the tensor, a row and a slice refer to it
     del tensor, row
-    assert recycler.take((4, 3), np.dtype(np.float32)) is None  # the slice still does
+    assert recycler._take((4, 3), np.dtype(np.float32)) is None  # the slice still does
     del part
-    assert recycler.take((4, 3), np.dtype(np.int64)) is None  # another dtype
-    reused = recycler.take((4, 3), np.dtype(np.float32))
-    assert reused is not None and reused.shape == (4, 3) and recycler.take((4, 3), np.dtype(np.float32)) is None
+    assert recycler._take((4, 3), np.dtype(np.int64)) is None  # another dtype
+    reused = recycler._take((4, 3), np.dtype(np.float32))
+    assert reused is not None and reused.shape == (4, 3) and recycler._take((4, 3), np.dtype(np.float32)) is None
+
+
+def test_a_shared_slot_is_handed_back_only_once_nothing_refers_to_it() -> None:
+    """The main process's side of a worker's shared-memory batches (_Lent): a slot is free again (flag 0)
+    only when no tensor, slice, view or numpy array over its storage is left; a batch that arrived as a
+    copy (pinned memory) frees its slot at once."""
+    from transformer.client.loader import _Lent, _SharedSlots
+
+    flags = torch.zeros((2, 3), dtype=torch.int8).share_memory_()
+    slots = _SharedSlots(flags[1].numpy())
+    slot, storage = slots.take(4 * 12)
+    assert slot == 0 and flags[1, 0] == 1
+    images = torch.empty(0).set_(storage, 0, (4, 3))
+    del storage
+    assert slots.take(4 * 12)[0] == 1  # slot 0 is held: another one
+    lent = _Lent(flags)
+    lent.receive((images, torch.arange(4)), 1, ((0, 0),))
+    row, part, array = images[1], images[:2], images.numpy()
+    del images
+    for still in (row, part, array):
+        lent.hand_back()
+        assert flags[1, 0] == 1
+        del still
+    del row, part, array
+    lent.hand_back()
+    assert flags[1, 0] == 0 and flags[1, 1] == 1
+    again, reused = slots.take(4 * 12)
+    assert again == 0 and reused.nbytes() == 48  # the same segment, filled again
+    assert slots.take(4 * 20)[0] == 2  # another size: the free slot gets a segment of its own
+    assert slots.take(4 * 20)[0] == -1  # every slot held: a segment that is not kept
+    lent.receive((torch.zeros(4, 3), None), 1, ((0, 0),))  # a copy (pin_memory): its slot is free at once
+    assert flags[1, 0] == 0
+
+
+def test_worker_batches_reuse_their_shared_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker writes its batches into shared memory it keeps: batches let go come back to the same
+    few slots (torch sends them without a copy), and each batch still holds its own samples."""
+    from transformer.client import loader as loader_module
+
+    seen: list[tuple[int, int]] = []
+    receive = loader_module._Lent.receive
+
+    def spy(self, batch, worker, slots):
+        seen.extend((worker, slot) for _, slot in slots)
+        return receive(self, batch, worker, slots)
+
+    monkeypatch.setattr(loader_module._Lent, "receive", spy)
+    urls = labelled_shards(tmp_path, 4, 30)
+    loader = make_loader(urls, 3, keys=("npy", "cls"), num_workers=2, shuffle_buffer=9, seed=1)
+    labels_seen = []
+    for images, labels in loader:
+        assert images.is_shared()
+        for image, label in zip(images, labels.tolist()):
+            assert torch.equal(image, torch.full((3, 6, 5), float(label)))
+        labels_seen.extend(labels.tolist())
+    assert sorted(labels_seen) == list(range(120))
+    assert len(seen) == 40 and all(slot >= 0 for _, slot in seen)
+    assert len(set(seen)) < len(seen) / 2, sorted(set(seen))  # reused
 
 
 @pytest.mark.parametrize("buffer", [0, 9])

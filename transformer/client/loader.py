@@ -125,27 +125,138 @@ class _Recycler:
     allocator (glibc) maps every array over 32 MB anew (a float32 batch of 64 is 38.5 MB), so
     filling it costs about half as much again as the reading itself (``python -m bench.reader``).
     A batch's array is reused only when its reference count says the batch tensor, its slices and
-    every numpy view of it are gone (the training step dropped the batch; a DataLoader worker's batch
-    once it was copied into shared memory for the main process); one the consumer still holds is
-    never touched, and a new one is allocated.
+    every numpy view of it are gone (the training step dropped the batch); one the consumer still
+    holds is never touched, and a new one is allocated. In a DataLoader worker the batch tensors live
+    in shared memory instead (``_SharedSlots``).
     """
 
-    def __init__(self, keep: int):
+    def __init__(self, keep: int, slots: _SharedSlots | None = None):
         self.keep = keep
         self.arrays: list[np.ndarray] = []
+        self.slots = slots
+        self.sent: list[tuple[int, int]] = []  # (column, slot) of the batch just taken: they travel with it
 
-    def give(self, array: np.ndarray) -> None:
-        self.arrays.append(array)
+    def array(self, shape: tuple, dtype: np.dtype) -> tuple[torch.Tensor, np.ndarray, int] | None:
+        """A batch tensor, its numpy view, and its shared-memory slot (-1: none); None for a dtype torch
+        does not hold."""
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        if self.slots is not None and nbytes:
+            try:
+                kind = torch.from_numpy(np.empty(0, dtype)).dtype
+            except TypeError:
+                return None
+            slot, storage = self.slots.take(nbytes)
+            tensor = torch.empty(0, dtype=kind).set_(storage, 0, shape)
+            return tensor, tensor.numpy(), slot
+        # Allocated by numpy, which asks Linux for huge pages on large arrays (madvise): the first write
+        # to a fresh 154 MB float32 batch costs 7 page faults per row instead of torch.empty's 147, about
+        # a quarter of the time (python -m bench.reader; its floor reader allocates the same way).
+        view = self._take(shape, dtype)
+        if view is None:
+            view = np.empty(shape, dtype)
+        try:
+            return torch.from_numpy(view), view, -1
+        except TypeError:
+            return None
+
+    def give(self, view: np.ndarray, slot: int) -> None:
+        """A batch array no longer filled: kept for another batch (a shared one's slot is free again)."""
+        if slot >= 0:
+            self.slots.free(slot)
+            return
+        if self.slots is not None:
+            return
+        self.arrays.append(view)
         if len(self.arrays) > self.keep:
             del self.arrays[0]
 
-    def take(self, shape: tuple, dtype: np.dtype) -> np.ndarray | None:
+    def _take(self, shape: tuple, dtype: np.dtype) -> np.ndarray | None:
         arrays = self.arrays
         for index in range(len(arrays)):
             # 2: the list's reference and the argument's; any tensor, slice or view adds its own.
             if sys.getrefcount(arrays[index]) == 2 and arrays[index].shape == shape and arrays[index].dtype == dtype:
                 return arrays.pop(index)
         return None
+
+
+# torch's own count of the references to a storage (its C++ holders included: tensors, views, numpy
+# arrays over it), and its allocation of a storage in shared memory (what torch.multiprocessing does to
+# send a tensor); both private, so workers use _SharedSlots only where both exist.
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+_SHARED_SLOTS = _use_count is not None and hasattr(torch.UntypedStorage, "_new_shared")
+
+
+class _SharedSlots:
+    """A DataLoader worker's batch tensors, in shared memory it keeps and fills again once the main
+    process has let them go.
+
+    A worker's batch reaches the main process through shared memory. Left to itself, torch copies each
+    batch into a new shared-memory segment, and a new segment is new memory that the kernel hands out
+    4 KB at a time on the first write (shared memory gets no huge pages by default): for float32 that
+    cost three times the reading itself (``python -m bench.reader``'s worker rows). Here the worker
+    writes each batch into a segment of its own from the start, so torch sends it as it is, and
+    reuses the segment for a later batch once ``flags`` says the main process is done with it.
+
+    ``flags`` is this worker's row of a shared array ``EtlLoader`` makes for each pass over the
+    DataLoader: 1 while a slot's batch is being filled or is held by the main process, 0 once the main
+    process found nothing referring to it any more (``_Lent``). When every slot is held, a batch gets
+    a segment of its own that is not kept.
+    """
+
+    def __init__(self, flags: np.ndarray):
+        self.flags = flags
+        self.storages: list[torch.UntypedStorage | None] = [None] * len(flags)
+
+    def take(self, nbytes: int) -> tuple[int, torch.UntypedStorage]:
+        free = -1
+        for slot, storage in enumerate(self.storages):
+            if self.flags[slot] == 0:
+                if storage is not None and storage.nbytes() == nbytes:
+                    self.flags[slot] = 1
+                    return slot, storage
+                if free < 0:
+                    free = slot
+        storage = torch.UntypedStorage._new_shared(nbytes)
+        if free >= 0:  # an unused slot, or one whose segment has another size: this one replaces it
+            self.storages[free] = storage
+            self.flags[free] = 1
+        return free, storage
+
+    def free(self, slot: int) -> None:
+        self.flags[slot] = 0
+
+
+class _Lent:
+    """The main process's side of ``_SharedSlots``: the slots of the batches it received, each handed
+    back (its flag set to 0) once nothing in this process refers to its storage: not the batch, not a
+    slice, a view or a numpy array over it. A batch that arrives already copied (``pin_memory``) hands
+    its slots back at once.
+
+    A batch passed on to another process (a ``multiprocessing`` queue) is out of this count: copy it
+    first (``clone()``), or the worker may fill its memory again while the other process reads it.
+    """
+
+    def __init__(self, flags: torch.Tensor):
+        self.flags = flags.numpy()
+        self.held: list[tuple[int, int, torch.UntypedStorage]] = []  # (worker, slot, storage)
+
+    def receive(self, batch: tuple, worker: int, slots: tuple[tuple[int, int], ...]) -> None:
+        self.hand_back()
+        for column, slot in slots:
+            tensor = batch[column]
+            if isinstance(tensor, torch.Tensor) and tensor.is_shared():
+                self.held.append((worker, slot, tensor.untyped_storage()))
+            else:
+                self.flags[worker, slot] = 0
+
+    def hand_back(self) -> None:
+        held = []
+        for worker, slot, storage in self.held:
+            if _use_count(storage._cdata) == 1:  # ours alone
+                self.flags[worker, slot] = 0
+            else:
+                held.append((worker, slot, storage))
+        self.held = held
 
 
 class _Batch:
@@ -178,27 +289,25 @@ class _Batch:
         self.kinds: list[tuple | None] = [None] * self.width  # their rows' (shape, dtype)
         self.lists: list[list] = [[] for _ in range(self.width)]  # the other columns' values
         self.placed: list[np.ndarray | None] = [None] * self.width  # the rows handed to the reader
+        self.slots: list[int] = [-1] * self.width  # the tensors' shared-memory slots (-1: none)
         self._sample: dict | None = None
         self._given = 0  # the columns handed out for the sample being read, as bits
 
     def _allocate(self, column: int, shape: tuple, dtype: np.dtype) -> np.ndarray | None:
         """The column's batch tensor, made for arrays of ``shape`` and ``dtype``; None for a dtype
         torch does not hold (the column is then combined by numpy, as before)."""
+        if self.views[column] is not None:  # made for another first row: given back
+            self.recycler.give(self.views[column], self.slots[column])
         self.tensors[column] = self.views[column] = self.kinds[column] = None
+        self.slots[column] = -1
         if not dtype.isnative:
             return None
-        # Allocated by numpy, which asks Linux for huge pages on large arrays (madvise): the first write
-        # to a fresh 154 MB float32 batch costs 7 page faults per row instead of torch.empty's 147, about
-        # a quarter of the time (python -m bench.reader; its floor reader allocates the same way).
-        view = self.recycler.take((self.size, *shape), dtype)
-        if view is None:
-            view = np.empty((self.size, *shape), dtype)
-        try:
-            tensor = torch.from_numpy(view)
-        except TypeError:
+        made = self.recycler.array((self.size, *shape), dtype)
+        if made is None:
             return None
-        self.tensors[column], self.views[column], self.kinds[column] = tensor, view, (shape, dtype)
-        return view
+        self.tensors[column], self.views[column], self.slots[column] = made
+        self.kinds[column] = (shape, dtype)
+        return self.views[column]
 
     def place(self, fields: dict, extension: str, shape: tuple, dtype: np.dtype) -> np.ndarray | None:
         column = self.column.get(extension)
@@ -234,7 +343,9 @@ class _Batch:
             elif self.views[column] is not None:
                 if row:
                     raise ClientError(f"batch column {column}: a {type(value).__name__}, the batch's are arrays")
+                self.recycler.give(self.views[column], self.slots[column])
                 self.tensors[column] = self.views[column] = self.kinds[column] = None
+                self.slots[column] = -1
             self.lists[column].append(value)
         self.rows = row + 1
         self.ids.append(identity)
@@ -282,15 +393,17 @@ class _Batch:
             valid = np.zeros(self.size, dtype=bool)
             valid[:self.size if real is None else real] = True
             columns.append(valid)
+        self.recycler.sent = [(column, slot) for column, slot in enumerate(self.slots) if slot >= 0]
+        self.slots = [-1] * self.width  # handed out: the main process gives these slots back
         self.release()
         return tuple(columns)
 
     def release(self) -> None:
         """Start again, empty; the batch arrays go to the recycler (reused once no one holds them)."""
-        views = [view for view in self.views if view is not None]
+        given = [(view, slot) for view, slot in zip(self.views, self.slots) if view is not None]
         self._fresh()
-        for view in views:
-            self.recycler.give(view)
+        for view, slot in given:
+            self.recycler.give(view, slot)
 
 
 class _Batcher:
@@ -311,10 +424,11 @@ class _Batcher:
     batches is the stream's and, per open batch, which samples its rows hold (``snapshot``).
     """
 
-    def __init__(self, size: int, keys: Sequence[str], last_batch: str, count: int, key: bytes):
+    def __init__(self, size: int, keys: Sequence[str], last_batch: str, count: int, key: bytes,
+                 slots: _SharedSlots | None = None):
         self.size = size
-        recycler = _Recycler(keep=(count + 4) * len(keys))  # the open batches' and a few in flight
-        self.batches = [_Batch(size, keys, last_batch, recycler) for _ in range(count)]
+        self.recycler = _Recycler(keep=(count + 4) * len(keys), slots=slots)  # the open batches' and a few more
+        self.batches = [_Batch(size, keys, last_batch, self.recycler) for _ in range(count)]
         self.key = key
         self.draws = 0  # samples taken, each by a draw of its batch
         self._target: _Batch | None = None
@@ -379,17 +493,19 @@ class _Batcher:
 
 
 class _Snapshot:
-    """A worker's stream state right after one of its batches; travels with the batch, untouched by the
-    DataLoader's conversions (they do not look into objects of other types)."""
+    """A worker's stream state right after one of its batches, and the shared-memory slots of the
+    batch's tensors as (column, slot); travels with the batch, untouched by the DataLoader's
+    conversions (they do not look into objects of other types)."""
 
-    __slots__ = ("worker", "state")
+    __slots__ = ("worker", "state", "slots")
 
-    def __init__(self, worker: int, state: dict[str, Any]):
+    def __init__(self, worker: int, state: dict[str, Any], slots: tuple[tuple[int, int], ...] = ()):
         self.worker = worker
         self.state = state
+        self.slots = slots
 
     def __reduce__(self):
-        return _Snapshot, (self.worker, self.state)
+        return _Snapshot, (self.worker, self.state, self.slots)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -429,9 +545,10 @@ class _Config:
 class _Streams(torch.utils.data.IterableDataset):
     """What the DataLoader iterates: in each worker, (batch, ``_Snapshot``) pairs of that worker's stream.
 
-    ``epoch``, ``start`` (logical worker -> the state to continue from) and ``first`` (the logical
-    worker that physical worker 0 runs) are set before each DataLoader iteration; the workers get a
-    copy when they start.
+    ``epoch``, ``start`` (logical worker -> the state to continue from), ``first`` (the logical
+    worker that physical worker 0 runs) and ``flags`` (the workers' shared-memory slots, one row per
+    logical worker: ``_SharedSlots``; None: no shared slots) are set before each DataLoader
+    iteration; the workers get a copy when they start.
     """
 
     def __init__(self, config: _Config, errors: ErrorCounter, reader: ShardReader):
@@ -442,6 +559,7 @@ class _Streams(torch.utils.data.IterableDataset):
         self.epoch = 0
         self.start: dict[int, dict[str, Any]] = {}
         self.first = 0
+        self.flags: torch.Tensor | None = None
 
     def spec(self, worker: int) -> StreamSpec:
         c = self.config
@@ -465,7 +583,9 @@ class _Streams(torch.utils.data.IterableDataset):
         start = self.start.get(worker)
         spec = self.spec(worker)
         config = self.config
-        batcher = _Batcher(config.batch_size, config.keys, config.last_batch, config.open_batches, spec.buffer_key)
+        slots = _SharedSlots(self.flags[worker].numpy()) if info is not None and self.flags is not None else None
+        batcher = _Batcher(config.batch_size, config.keys, config.last_batch, config.open_batches, spec.buffer_key,
+                           slots)
         shuffles = len(batcher.batches) > 1
         stream = SampleStream(spec, self.reader, self.errors, start)
         stream.placer = batcher if shuffles else batcher.batches[0]  # arrays are read into their batch rows
@@ -476,8 +596,9 @@ class _Streams(torch.utils.data.IterableDataset):
         def after(batch: tuple) -> tuple[tuple, _Snapshot]:
             nonlocal made
             made += 1
+            sent, batcher.recycler.sent = tuple(batcher.recycler.sent), []
             return batch, _Snapshot(worker, {"worker": worker, "batches": made, **stream.snapshot(),
-                                             **batcher.snapshot()})
+                                             **batcher.snapshot()}, sent)
 
         for values in stream.tuples():
             batch = batcher.add(values, stream.identity() if shuffles else None)
@@ -572,8 +693,11 @@ class EtlLoader:
             return
         while True:
             streams.epoch, streams.start, streams.first = position.epoch, start, first
+            lent = self._lend()
             yielded = 0
             for batch, snapshot in self.dataloader:
+                if lent is not None:
+                    lent.receive(batch, snapshot.worker, snapshot.slots)
                 position.workers[snapshot.worker] = snapshot.state
                 position.next_worker = (snapshot.worker + 1) % count
                 position.batches += 1
@@ -589,6 +713,19 @@ class EtlLoader:
             position.passes += 1
             position.workers, position.next_worker = {}, 0
             start, first = {}, 0
+
+    def _lend(self) -> _Lent | None:
+        """New shared-memory slots for the workers about to start (``_SharedSlots``): fresh flags for
+        every DataLoader iteration, so a batch of an earlier one handed back late frees nothing of it."""
+        streams = self.streams
+        if self.num_workers == 0 or not _SHARED_SLOTS:
+            streams.flags = None
+            return None
+        config = streams.config
+        prefetch = self.dataloader.prefetch_factor or 2
+        per_worker = (config.open_batches + prefetch + 4) * len(config.keys)
+        streams.flags = torch.zeros((config.streams, per_worker), dtype=torch.int8).share_memory_()
+        return _Lent(streams.flags)
 
     def __len__(self) -> int:
         if self.batches_per_epoch is None:
