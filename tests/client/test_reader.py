@@ -266,6 +266,23 @@ def test_worker_batches_reuse_their_shared_memory(tmp_path: Path, monkeypatch: p
     assert len(set(seen)) < len(seen) / 2, sorted(set(seen))  # reused
 
 
+def test_without_torchs_private_storage_calls_workers_send_batches_through_torchs_copy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shared slots rest on two private torch calls; without them the loader still works, through
+    torch's own copy of each batch (as before the slots), with nothing to hand back."""
+    from transformer.client import loader as loader_module
+
+    monkeypatch.setattr(loader_module, "_SHARED_SLOTS", False)
+    urls = labelled_shards(tmp_path, 2, 12)
+    loader = make_loader(urls, 4, keys=("npy", "cls"), num_workers=2, shuffle_buffer=8, seed=3)
+    kept = list(loader)
+    assert loader.streams.flags is None
+    assert sorted(label for _, labels in kept for label in labels.tolist()) == list(range(24))
+    for images, labels in kept:
+        for image, label in zip(images, labels.tolist()):
+            assert torch.equal(image, torch.full((3, 6, 5), float(label)))
+
+
 @pytest.mark.parametrize("buffer", [0, 9])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_batches_the_consumer_keeps_stay_as_they_were(tmp_path: Path, buffer: int, workers: int) -> None:
