@@ -38,3 +38,49 @@ def test_a_client_that_reads_only_after_sending_gets_the_whole_shard(service):
     assert whole.status_code == 200, whole.text[:300]
     assert len(read_tar(whole.content)) == 180
     assert whole.content == streamed_body
+
+
+def _put_holding_the_end(service, shard: bytes, hold: int, pause: float) -> tuple[str, bytes]:
+    """A ``Connection: close`` PUT whose last ``hold`` body bytes are sent only after ``pause`` seconds,
+    the response read after that: what a previous pipeline stage does when its own last output comes
+    late. Returns how the response ended ("EndOfMessage", or the error's name) and its body's bytes."""
+    import socket
+    import time
+
+    import h11
+
+    head, tail = shard[:-hold], shard[-hold:]
+    with socket.create_connection(("127.0.0.1", service.port), timeout=60) as sock:
+        sock.sendall(b"PUT /bck/held-end.tar HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                     b"Connection: close\r\n\r\n" + b"%x\r\n" % len(head) + head + b"\r\n")
+        time.sleep(pause)  # the pod has transformed everything it needs by now; the tar's padding is not sent yet
+        sock.sendall(b"%x\r\n" % len(tail) + tail + b"\r\n0\r\n\r\n")
+        connection = h11.Connection(h11.CLIENT)
+        connection.send(h11.Request(method="PUT", target="/", headers=[("Host", "x")]))
+        body = b""
+        try:
+            while True:
+                event = connection.next_event()
+                if event is h11.NEED_DATA:
+                    connection.receive_data(sock.recv(1 << 16))
+                elif isinstance(event, h11.Data):
+                    body += event.data
+                elif isinstance(event, h11.EndOfMessage):
+                    return "EndOfMessage", body
+        except (OSError, h11.RemoteProtocolError) as exc:
+            return type(exc).__name__, body
+
+
+def test_the_response_ends_only_once_the_whole_body_arrived(service):
+    """The pod stops reading at the tar's end-of-archive blocks; the padding after them may still be on the
+    way when its answer is complete. Ending a ``Connection: close`` response then makes the kernel reset
+    the connection and drop the answer's end still in the send buffer: the pod waits for the body's end
+    (and drops what it did not need) before it ends the response."""
+    from tests.shardgen import imagenet_like_members
+
+    shard = make_tar(imagenet_like_members(4))  # tarfile pads the archive to 10 KB records
+    reference = httpx.put(f"{service.url}/bck/held-end.tar", content=shard, timeout=60)
+    assert reference.status_code == 200 and len(reference.content) > 2_000_000  # more than the socket buffers
+    ending, body = _put_holding_the_end(service, shard, hold=512, pause=2.0)
+    assert (ending, len(body)) == ("EndOfMessage", len(reference.content))
+    assert body == reference.content

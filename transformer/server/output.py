@@ -44,7 +44,7 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from uvicorn.protocols.utils import ClientDisconnected
@@ -271,18 +271,24 @@ class Output:
 # ------------------------------------------------------------------------------------ HTTP response
 
 
-async def respond_http(output: Output, send: Callable, transport: asyncio.Transport | None) -> None:
+async def respond_http(output: Output, send: Callable, transport: asyncio.Transport | None,
+                       input_received: Callable[[], Awaitable[object]] | None = None) -> None:
     """Send the job's output as the ASGI response; raises ``StreamAborted`` on a failure after the status line.
 
     ``transport``: the connection's, when direct send may take over after the first chunk.
+    ``input_received``: awaited before the response ends (``BodySource.received``).
     """
     item = await output.next()
     match item:
         case Failure(error=error):
             status, body = error_answer(error)
+            if input_received is not None:
+                await input_received()
             await _send_whole(send, status, body, {})
             return
         case Final(status=status, body=body, headers=headers):
+            if input_received is not None:
+                await input_received()
             await _send_whole(send, status, body, headers or {})
             return
     await send({"type": "http.response.start", "status": 200,
@@ -293,6 +299,8 @@ async def respond_http(output: Output, send: Callable, transport: asyncio.Transp
             case Chunk(data=data):
                 await send({"type": "http.response.body", "body": bytes(data), "more_body": True})
             case End():
+                if input_received is not None:
+                    await input_received()
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
             case Failure(error=error):

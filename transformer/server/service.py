@@ -184,8 +184,14 @@ class ShardResponse(Response):
         watcher = asyncio.create_task(body.pump(receive, cancel.set) if body is not None
                                       else watch_disconnect(receive, cancel.set))
         ShardJob(self.rt, self.request, source, output).start()
+        received = None
+        if body is not None:
+            async def received() -> None:
+                if not await body.received(self.deadline - time.monotonic()):
+                    log.warning("shard %s: the request body did not end within the object timeout; "
+                                "ending the response anyway", self.request.shard)
         try:
-            await respond_http(output, send, transport)
+            await respond_http(output, send, transport, received)
         finally:
             cancel.set()  # a no-op once the job is done; otherwise it stops the job's work
             watcher.cancel()

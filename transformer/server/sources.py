@@ -144,6 +144,8 @@ class BodySource(Source):
     def __init__(self, loop: asyncio.AbstractEventLoop, cancel: threading.Event):
         self.loop, self.cancel = loop, cancel
         self.complete = threading.Event()  # the whole body has been received
+        self._received = asyncio.Event()  # the same, or the caller went away (for the event loop)
+        self._discard = False  # the transform has all it reads: what still arrives is dropped
         # A deque under a condition rather than an asyncio.Queue: the driver takes each chunk with a
         # lock, not with a coroutine scheduled on the event loop and waited for (run_coroutine_threadsafe
         # cost a loop wake-up and a future per 64 KB chunk).
@@ -158,17 +160,38 @@ class BodySource(Source):
             message = await receive()
             if message["type"] == "http.disconnect":
                 self._put(Cancelled("caller disconnected while sending the body"), force=True)
+                self._received.set()
                 on_disconnect()
                 return
             body = message.get("body", b"")
-            if body:
-                while not self._put(body):
+            if body and not self._discard:
+                while not self._put(body) and not self._discard:
                     await self._room.wait()
             if not message.get("more_body", False):
                 self.complete.set()
+                self._received.set()
                 self._put(b"", force=True)
                 break
         await watch_disconnect(receive, on_disconnect)
+
+    async def received(self, timeout: float) -> bool:
+        """Before the response ends: wait (up to ``timeout`` s) until the whole body has arrived, dropping
+        what the transform did not read (a tar's padding after its end-of-archive blocks).
+
+        A server that ends its response while the caller is still sending closes (``Connection:
+        close``) a socket with unread bytes, or gets them after closing; either way the kernel answers
+        with a reset and throws away the end of the response still in its send buffer. A caller that
+        sends and reads at once (the previous stage of a pipeline) would get a response cut short.
+        """
+        self._discard = True
+        with self._ready:
+            self._chunks_in.clear()
+        self._room.set()
+        try:
+            await asyncio.wait_for(self._received.wait(), max(0.0, timeout))
+        except TimeoutError:
+            return False
+        return True
 
     def _put(self, item: bytes | Exception, force: bool = False) -> bool:
         """Event loop: queue ``item``; False (and ``_room`` cleared) when full, unless ``force``."""
