@@ -90,14 +90,13 @@ def measure(args: argparse.Namespace, work: Path, trees: dict[str, Path]) -> lis
     return runs
 
 
-# Run in the version's own tree (its transformer package first on the path).
+# Run in the version's own tree (its transformer and bench packages first on the path).
 CHILD = """
 import json, sys, time
 sys.path.insert(0, ".")
-from transformer.client import make_loader
+from bench.client_side import _disk_loader
 spec = json.loads(sys.argv[1])
-loader = make_loader(spec["paths"], spec["batch_size"], keys=("npy", "cls"), num_workers=spec["workers"],
-                     shuffle_shards=False, shuffle_buffer=spec["buffer"], split_by_node=False, pin_memory=False)
+loader = _disk_loader(spec["paths"], spec["batch_size"], spec["buffer"], spec["workers"])
 start, samples = time.monotonic(), 0
 for images, labels in loader:
     samples += len(images)

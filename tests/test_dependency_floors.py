@@ -23,7 +23,6 @@ folder is ``~/.cache/ais-wds-transformer/floors-<hash of the pins>``, made once 
 from __future__ import annotations
 
 import hashlib
-import http.server
 import importlib.metadata
 import json
 import os
@@ -33,7 +32,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,7 +48,7 @@ except ModuleNotFoundError:  # Python 3.10: pip's own copy of the same parser
     from pip._vendor import tomli as tomllib
 
 from tests.contract.harness import Service, base_env, free_port
-from tests.httpserve import QuietServer
+from tests.httpserve import StaticServer
 from tests.shardgen import imagenet_like_members, make_tar, read_tar
 
 REPO = Path(__file__).resolve().parents[1]
@@ -161,24 +159,6 @@ def floors_site(floors: dict[str, str]) -> tuple[Path, dict[str, str]]:
     return folder / "site", {name: resolved[name] for name in floors}
 
 
-class _Origin(QuietServer):
-    """An HTTP server on 127.0.0.1 answering every GET with one shard: the origin of a /download."""
-
-    def __init__(self, body: bytes):
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args) -> None:
-                pass
-
-        super().__init__(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server_address[1]}"
-
-
 @pytest.fixture(scope="module")
 def floors() -> dict[str, str]:
     return declared_floors()
@@ -287,16 +267,12 @@ def _hpush_shards(service: Service) -> float:
 
 def test_download_at_the_floors(served: tuple[Service, dict]) -> None:
     service, pins = served
-    origin = _Origin(_shard())
-    thread = threading.Thread(target=origin.serve_forever, daemon=True)
-    thread.start()
+    origin = StaticServer(every=_shard())  # the origin of a /download: one shard for every path
     try:
         response = httpx.post(f"{service.url}/download", params={"original_url": f"{origin.url}/floors.tar"},
                               timeout=90)
     finally:
-        origin.shutdown()
-        origin.server_close()
-        thread.join(timeout=10)
+        origin.close()
     _check_tar("POST /download (the origin fetched with httpx)", service, pins, response.status_code,
                response.content)
 

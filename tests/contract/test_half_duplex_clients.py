@@ -8,10 +8,13 @@ arriving, so these callers get the complete, identical shard.
 from __future__ import annotations
 
 import random
+import socket
+import time
 
+import h11
 import httpx
 
-from tests.shardgen import jpeg_bytes, make_tar, read_tar
+from tests.shardgen import imagenet_like_members, jpeg_bytes, make_tar, read_tar
 
 from .harness import args_query
 
@@ -44,11 +47,6 @@ def _put_holding_the_end(service, shard: bytes, hold: int, pause: float) -> tupl
     """A ``Connection: close`` PUT whose last ``hold`` body bytes are sent only after ``pause`` seconds,
     the response read after that: what a previous pipeline stage does when its own last output comes
     late. Returns how the response ended ("EndOfMessage", or the error's name) and its body's bytes."""
-    import socket
-    import time
-
-    import h11
-
     head, tail = shard[:-hold], shard[-hold:]
     with socket.create_connection(("127.0.0.1", service.port), timeout=60) as sock:
         sock.sendall(b"PUT /bck/held-end.tar HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
@@ -76,8 +74,6 @@ def test_the_response_ends_only_once_the_whole_body_arrived(service):
     way when its answer is complete. Ending a ``Connection: close`` response then makes the kernel reset
     the connection and drop the answer's end still in the send buffer: the pod waits for the body's end
     (and drops what it did not need) before it ends the response."""
-    from tests.shardgen import imagenet_like_members
-
     shard = make_tar(imagenet_like_members(4))  # tarfile pads the archive to 10 KB records
     reference = httpx.put(f"{service.url}/bck/held-end.tar", content=shard, timeout=60)
     assert reference.status_code == 200 and len(reference.content) > 2_000_000  # more than the socket buffers

@@ -4,14 +4,13 @@ are served by a small HTTP origin inside the cluster's network namespace."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import requests
 
 from tests.ais.etl_cluster import NODES, EtlCluster
+from tests.httpserve import StaticServer
 from tests.shardgen import read_output
 from transformer.client import download, shard_urls
 
@@ -30,27 +29,9 @@ def origin(etl_cluster: EtlCluster) -> Iterator[str]:
     files = {f"/data/{name}": data for name, data in SHARDS.items()}
     files["/data/junk.tar"] = b"not a tar archive" * 100
     files["/data/bad.tar"] = failing_shard()
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-            data = files.get(self.path)
-            if data is None:
-                self.send_error(404)
-                return
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = ThreadingHTTPServer((NODES["node-0"], 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://{NODES['node-0']}:{server.server_address[1]}/data"
-    server.shutdown()
-    thread.join(10)
+    server = StaticServer(files, host=NODES["node-0"])
+    yield f"{server.url}/data"
+    server.close()
 
 
 def objects(client, bucket: str) -> list[str]:
