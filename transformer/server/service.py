@@ -184,17 +184,18 @@ class ShardResponse(Response):
         watcher = asyncio.create_task(body.pump(receive, cancel.set) if body is not None
                                       else watch_disconnect(receive, cancel.set))
         ShardJob(self.rt, self.request, source, output).start()
-        received = None
-        if body is not None:
-            async def received() -> None:
-                if not await body.received(self.deadline - time.monotonic()):
-                    log.warning("shard %s: the request body did not end within the object timeout; "
-                                "ending the response anyway", self.request.shard)
+        received = (lambda: self._body_received(body)) if body is not None else None
         try:
             await respond_http(output, send, transport, received)
         finally:
             cancel.set()  # a no-op once the job is done; otherwise it stops the job's work
             watcher.cancel()
+
+    async def _body_received(self, body: BodySource) -> None:
+        """Before the response ends: the rest of the request body arrived (``BodySource.received``)."""
+        if not await body.received(self.deadline - time.monotonic()):
+            log.warning("shard %s: the request body did not end within the object timeout; ending the response "
+                        "anyway", self.request.shard)
 
 
 def _error(exc: TransformerError) -> Response:
