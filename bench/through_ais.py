@@ -97,7 +97,7 @@ def measure(cluster, client, *, shards: int = 8, samples: int = 64, rounds: int 
         return read
 
     readers = {"direct": direct, "inline-hpush": inline(etls["hpush"]), "inline-ws": inline(etls["ws"])}
-    processes = [pod.process.pid for group in pods.values() for pod in group.values()]
+    processes = [pod.pid for group in pods.values() for pod in group.values()]
     ais = [node.process.pid for node in cluster.nodes()]
     rows = []
     try:

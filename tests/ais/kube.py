@@ -220,6 +220,16 @@ class Pod:
     def log_text(self) -> str:
         return self.log.read_text(errors="replace") if self.log and self.log.is_file() else ""
 
+    @property
+    def running(self) -> bool:
+        """Its container is running (started, not yet exited)."""
+        return self.process is not None and self.process.poll() is None
+
+    @property
+    def pid(self) -> int:
+        """The host pid of the container's main process (for its CPU and memory)."""
+        return self.process.pid
+
 
 def _die_with_parent() -> None:  # between fork and exec: the pod dies with the process that runs the kubelet
     with contextlib.suppress(Exception):
@@ -408,7 +418,16 @@ class FakeKubernetes:
     def oom_kill(self, pod: Pod) -> None:
         """Kill the pod's process as the kernel's OOM killer would (reason ``OOMKilled``, exit 137)."""
         pod.oom = True
-        os.killpg(pod.process.pid, signal.SIGKILL)
+        self.kill(pod)
+
+    def kill(self, pod: Pod) -> None:
+        """SIGKILL the pod's container, as a node that loses it would (reason ``Error``, exit 137)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pod.process.pid, signal.SIGKILL)
+
+    def running_pods(self, etl: str | None = None) -> list[Pod]:
+        """The ETL pods (of ``etl``, if given) whose container is running now."""
+        return [pod for pod in (self.pods_of(etl) if etl else self.etl_pods()) if pod.running]
 
     # -- the kubelet -----------------------------------------------------------------------------------
 
@@ -620,9 +639,9 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(200, {"kind": "PodMetricsList", "apiVersion": "metrics.k8s.io/v1beta1", "items": []})
         if len(parts) == 7 and parts[2:4] == ["v1beta1", "namespaces"] and parts[5] == "pods":
             pod = self.kube.pods.get(parts[6])
-            if pod is None or pod.process is None or pod.process.poll() is not None:
+            if pod is None or not pod.running:
                 return self._send(404, status_body(404, "NotFound", f'podmetrics "{parts[6]}" not found'))
-            cpu, memory = _usage(pod.process.pid)
+            cpu, memory = _usage(pod.pid)
             return self._send(200, {
                 "kind": "PodMetrics", "apiVersion": "metrics.k8s.io/v1beta1",
                 "metadata": {"name": pod.name, "namespace": self.kube.namespace}, "timestamp": _now(),

@@ -56,7 +56,7 @@ def etl_cluster(aisnode: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         finally:
             cluster.stop()
         running = [node.role for node in cluster.nodes() if node.process.poll() is None]
-        pods = [pod.name for pod in cluster.kube.pods.values() if pod.process and pod.process.poll() is None]
+        pods = [pod.name for pod in cluster.kube.running_pods()]
         assert not running and not pods, f"left running: aisnode {running}, pods {pods}"
         unexpected = cluster.kube.unexpected
         assert not unexpected, f"AIS made Kubernetes calls the fake does not serve: {unexpected}"

@@ -35,7 +35,7 @@ def etl_job(client, name: str) -> str:
 
 
 def running_pods(cluster: EtlCluster, name: str) -> list:
-    return [pod for pod in cluster.kube.pods_of(name) if pod.process and pod.process.poll() is None]
+    return cluster.kube.running_pods(name)
 
 
 @pytest.mark.parametrize("comm_type", ["hpush", "hpull", "ws"])
@@ -59,7 +59,7 @@ def test_register_each_comm_type_runs_one_pod_per_target(etl_client, etl_cluster
         assert unregister(etl_client, name)
     assert stage(etl_client, name) == ""
     etl_cluster.kube.wait(lambda: not etl_cluster.kube.pods_of(name), 30, f"the pods of {name} deleted")
-    assert all(pod.process.poll() is not None for pod in pods)
+    assert not any(pod.running for pod in pods)
 
 
 def test_stopped_etl_comes_back_with_the_same_spec(etl_client, etl_cluster: EtlCluster) -> None:
