@@ -4,14 +4,21 @@
 #   CPU (default): docker build -t REGISTRY/ais-wds-transformer:0.1.0 .
 #   CUDA variant:  docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu130 \
 #                      -t REGISTRY/ais-wds-transformer:0.1.0-cu130 .
+#   Without Docker: make image (buildah; scripts/image.py)
 #
-# tests/test_deploy.py lints this file, runs its pip steps against PyPI and starts its entry command.
+# tests/test_deploy.py lints this file, replays its pip steps and starts its entry command;
+# `make test-image` builds it and runs the real-ETL suite with every ETL pod a container of it.
 
 # 3.11 is the Python requirements/*.txt were locked for (requirements/lock.py); change both together.
 ARG PYTHON_VERSION=3.11
 ARG DEBIAN_RELEASE=trixie
+# Any Debian-based image with python${PYTHON_VERSION} and its venv module (`python -m venv`) will do;
+# `make image` builds a stand-in from Debian's packages where this one cannot be pulled.
+ARG BASE_IMAGE=python:${PYTHON_VERSION}-slim-${DEBIAN_RELEASE}
 
-FROM python:${PYTHON_VERSION}-slim-${DEBIAN_RELEASE} AS build
+# The runtime dependencies: this stage is the final image's lower layers, so a change to transformer/
+# rebuilds only the small layers at the end (no multi-GB copy of the venv into another stage).
+FROM ${BASE_IMAGE} AS deps
 # PyTorch's CPU wheels: a ~190 MB download instead of PyPI's CUDA build, ~5.9 GB installed with its
 # nvidia-*/cuda-*/triton wheels; the pod runs on storage nodes without GPUs. A CUDA index (whl/cu130, ...) gives the GPU variant.
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
@@ -30,30 +37,39 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 COPY requirements/torch.txt requirements/
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip install --only-binary=:all: --index-url "${TORCH_INDEX}" -r requirements/torch.txt
+
+# The package as a wheel, built beside the final image so that its sources never enter it.
+FROM deps AS package
 COPY pyproject.toml README.md ./
 COPY transformer/ transformer/
-# The locked setuptools builds the package (no build isolation: nothing unpinned is downloaded).
-RUN pip install --no-deps --no-build-isolation --no-cache-dir . \
-    && pip check
+# The locked setuptools builds the wheel (no build isolation: nothing unpinned is downloaded).
+RUN pip wheel --no-deps --no-build-isolation --no-cache-dir --wheel-dir /wheels .
 
-FROM python:${PYTHON_VERSION}-slim-${DEBIAN_RELEASE}
+FROM deps
 ARG PYTHON_VERSION
 ARG DEBIAN_RELEASE
+ARG BASE_IMAGE
 # Same as pyproject.toml's version and the k8s/ image tags (tests/test_deploy.py checks).
 ARG VERSION=0.1.0
 LABEL org.opencontainers.image.title="ais-wds-transformer" \
       org.opencontainers.image.description="AIStore ETL: WebDataset shards -> torchvision v2 transforms -> .npy, streamed" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.licenses="MIT" \
-      org.opencontainers.image.base.name="docker.io/library/python:${PYTHON_VERSION}-slim-${DEBIAN_RELEASE}"
+      org.opencontainers.image.base.name="${BASE_IMAGE}"
+WORKDIR /
+# Bytecode is compiled at install time. `pip check`: the package's requirements are all met by the lock.
+RUN --mount=type=bind,from=package,source=/wheels,target=/wheels \
+    pip install --no-deps --no-index --no-cache-dir /wheels/*.whl \
+    && pip check
 # Group 0: AIS targets run as root and create objects 0640 root:root, so an FQN is readable through
-# group 0 (AIS creates objects 0640 root:root) without running as root. The runtime spec has no securityContext.
+# group 0 without running as root. The runtime spec has no securityContext.
 RUN useradd --no-log-init --system --uid 10001 --gid 0 --no-create-home --home-dir /nonexistent \
         --shell /usr/sbin/nologin etl
-COPY --from=build /opt/venv /opt/venv
-# Bytecode was compiled at install time; nothing is written at run time (read-only root FS works).
-ENV PATH=/opt/venv/bin:$PATH \
-    PYTHONDONTWRITEBYTECODE=1 \
+# At run time the pod writes only to /tmp (TMPDIR): torch creates a temporary directory when it is
+# imported, and output for callers that send a whole body before reading is parked there. With a
+# read-only root filesystem, /tmp must be a writable volume (k8s/standalone/deployment.yaml).
+# PATH (/opt/venv/bin first) comes from the deps stage.
+ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     ETL_HOST=0.0.0.0 \
     ETL_PORT=8000

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= server,client,demo,bench,dali,test
 
-.PHONY: install demo test aisnode ais-etl lint clean
+.PHONY: install demo test aisnode ais-etl image test-image lint clean
 
 install: $(VENV)/.installed
 
@@ -26,6 +26,15 @@ test: install
 
 aisnode: install
 	$(PY) -m tests.ais.cluster --build-only
+
+# The pod's image from the Dockerfile: Docker where an engine runs, else buildah as root (scripts/image.py says
+# which base and torch index it picks, and why). Tagged localhost/ais-wds-transformer:dev.
+image:
+	$(PYTHON) -m scripts.image
+
+# The image's own tests, then the whole real-ETL suite with every ETL pod a podman container of the image.
+test-image: install image
+	AIS_WDS_POD_RUNTIME=container $(PY) -m pytest -q -m 'image or ais_etl' tests/image tests/ais/etl
 
 # A real AIS with ETL (one proxy, two targets, a fake Kubernetes) in a network namespace, until Ctrl-C.
 ais-etl: install

@@ -124,8 +124,33 @@ class Dockerfile:
         return next(s for s in self.stages if s.name == name)
 
     def expand(self, text: str) -> str:
-        """``${ARG}`` / ``$ARG`` replaced by the ARG defaults (how ``docker build`` resolves FROM lines)."""
-        return re.sub(r"\$\{?(\w+)\}?", lambda m: self.args.get(m.group(1), m.group(0)), text)
+        """``${ARG}`` / ``$ARG`` replaced by the ARG defaults, which may name earlier ARGs (how ``docker build``
+        resolves FROM lines)."""
+        for _ in range(len(self.args) + 1):
+            expanded = re.sub(r"\$\{?(\w+)\}?", lambda m: self.args.get(m.group(1), m.group(0)), text)
+            if expanded == text:
+                return text
+            text = expanded
+        raise ValueError(f"ARG defaults refer to each other in a loop: {text}")
+
+    def chain(self, stage: Stage) -> list[Stage]:
+        """The stages ``stage`` is built on, first to last, itself included."""
+        names = {s.name: s for s in self.stages if s.name}
+        chain = [stage]
+        while chain[0].base in names:
+            chain.insert(0, names[chain[0].base])
+        return chain
+
+    def image_env(self) -> dict[str, str]:
+        """The final image's ENV: every ENV of the stages it is built on, in order."""
+        env: dict[str, str] = {}
+        for stage in self.chain(self.final):
+            env.update(stage.env())
+        return env
+
+    def base_of(self, stage: Stage) -> str:
+        """The image a stage starts from, following ``FROM <earlier stage>`` to its first stage's image."""
+        return self.expand(self.chain(stage)[0].base)
 
 
 def yaml_documents(path: Path) -> list[dict]:

@@ -143,7 +143,18 @@ def test_image_python_is_the_one_the_lock_was_made_for(dockerfile: Dockerfile) -
     assert header, f"{SERVER_LOCK} lacks its '# python: X.Y' header (regenerate: python requirements/lock.py)"
     assert dockerfile.args["PYTHON_VERSION"] == header.group(1)
     for stage in dockerfile.stages:
-        assert dockerfile.expand(stage.base).startswith(f"python:{header.group(1)}-slim"), stage.base
+        assert dockerfile.base_of(stage).startswith(f"python:{header.group(1)}-slim"), stage.base
+
+
+def test_image_layers_keep_the_dependencies_below_the_package(dockerfile: Dockerfile) -> None:
+    """A change to transformer/ rebuilds only the layers after the dependencies': the final stage starts
+    from the stage that installed them (no copy of the multi-GB venv), and no stage the final image is built
+    on copies the package's sources."""
+    deps = dockerfile.stage("deps")
+    assert dockerfile.final.base == "deps" and dockerfile.final.base != dockerfile.stages[0].base
+    sources = [c.value for c in deps.all("COPY")]
+    assert sources and all(v.split()[0].startswith("requirements/") for v in sources), sources
+    assert not dockerfile.final.all("COPY"), "the final stage installs the package's wheel through a bind mount"
 
 
 def test_image_version_matches_package_and_manifests(dockerfile: Dockerfile, spec: dict, deployment: dict) -> None:
@@ -154,7 +165,7 @@ def test_image_version_matches_package_and_manifests(dockerfile: Dockerfile, spe
 
 
 def test_image_listens_where_ais_connects(dockerfile: Dockerfile) -> None:
-    env = dockerfile.final.env()
+    env = dockerfile.image_env()
     assert env["ETL_HOST"] == "0.0.0.0" and env["ETL_PORT"] == str(AIS_PORT)
     assert dockerfile.final.last("EXPOSE").value.split() == [str(AIS_PORT)]
     # The image's settings pass the service's own start-up validation (keep-alive above 6 s included).
@@ -252,70 +263,85 @@ def _pip_commands(run_value: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_image_pip_steps_replayed_against_pypi(dockerfile: Dockerfile, tmp_path: Path) -> None:
-    """The build stage, replayed: venv, COPY from the .dockerignore'd context, every pip command as written.
+    """The build, replayed: venv, COPY from the .dockerignore'd context, every pip command as written, stage
+    by stage (the dependencies, the package's wheel, its install into the final image).
 
     The locked set and the package are installed for real (hash-checked, --no-deps). torch/torchvision
     come from PyTorch's CPU index in the image, which CI cannot reach; PyPI has the same versions as
     CUDA builds (~4 GB with their nvidia wheels), so that step runs with --dry-run and must not want to
-    change any locked package. `pip check` then may only miss torch/torchvision.
+    change any locked package. `pip check` then may only miss torch/torchvision. `make test-image`
+    builds the image itself.
     """
-    build = dockerfile.stage("build")
     context = build_context(tmp_path / "context")
     root = tmp_path / "image"  # the image's "/", so that absolute paths of the stage stay inside tmp
 
     def inside(path: str) -> Path:
         return root / path.lstrip("/")
 
+    def rooted(command: str) -> str:  # absolute paths the stages share, moved under root
+        return command.replace(" /wheels", f" {inside('/wheels')}")
+
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_REQUIRE", "VIRTUAL_ENV"))}
     env["TORCH_INDEX"] = "https://pypi.org/simple"  # the one difference from the image (see docstring)
     workdir = root
     report = tmp_path / "torch-report.json"
     commands_run = []
-    for instruction in build.instructions:
-        flags, rest = instruction.flags_and_rest()
-        if instruction.name == "ENV":
-            for key, value in env_items(instruction).items():
-                if key == "PATH":
-                    value = value.replace("/opt/venv", str(inside("/opt/venv"))).replace("$PATH", env["PATH"])
-                env[key] = value
-        elif instruction.name == "WORKDIR":
-            workdir = inside(rest)
-            workdir.mkdir(parents=True, exist_ok=True)
-        elif instruction.name == "COPY":  # Docker's rules: a directory's contents; files into a "dir/"
-            *sources, destination = rest.split()
-            target = workdir / destination
-            for source in sources:
-                origin = context / source
-                if origin.is_dir():
-                    shutil.copytree(origin, target, dirs_exist_ok=True)
-                elif destination.endswith("/") or len(sources) > 1:
-                    target.mkdir(parents=True, exist_ok=True)
-                    shutil.copy2(origin, target / origin.name)
-                else:
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copy2(origin, target)
-        elif instruction.name == "RUN" and rest.startswith("python -m venv "):
-            subprocess.run([sys.executable, "-m", "venv", str(inside(rest.split()[-1]))], check=True, timeout=300)
-        elif instruction.name == "RUN":
-            for command in _pip_commands(rest):
-                if command == "pip check":
-                    check = subprocess.run(["bash", "-c", command], cwd=workdir, env=env, capture_output=True,
-                                           text=True, timeout=300)
-                    problems = [line for line in check.stdout.splitlines() if line.strip()] if check.returncode else []
-                    unexpected = [line for line in problems
-                                  if not re.search(r"requires (torch|torchvision), which is not installed", line)]
-                    assert not unexpected, "\n".join(problems)
+    stages = [dockerfile.stage("deps"), dockerfile.stage("package"), dockerfile.final]
+    for stage in stages:
+        for instruction in stage.instructions:
+            flags, rest = instruction.flags_and_rest()
+            if instruction.name == "ENV":
+                for key, value in env_items(instruction).items():
+                    if key == "PATH":
+                        value = value.replace("/opt/venv", str(inside("/opt/venv"))).replace("$PATH", env["PATH"])
+                    env[key] = value
+            elif instruction.name == "WORKDIR":
+                workdir = inside(rest)
+                workdir.mkdir(parents=True, exist_ok=True)
+            elif instruction.name == "COPY":  # Docker's rules: a directory's contents; files into a "dir/"
+                assert "from" not in flags, f"Dockerfile:{instruction.line}: COPY --from is not replayed here"
+                *sources, destination = rest.split()
+                target = workdir / destination
+                for source in sources:
+                    origin = context / source
+                    if origin.is_dir():
+                        shutil.copytree(origin, target, dirs_exist_ok=True)
+                    elif destination.endswith("/") or len(sources) > 1:
+                        target.mkdir(parents=True, exist_ok=True)
+                        shutil.copy2(origin, target / origin.name)
+                    else:
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        shutil.copy2(origin, target)
+            elif instruction.name == "RUN" and rest.startswith("python -m venv "):
+                subprocess.run([sys.executable, "-m", "venv", str(inside(rest.split()[-1]))], check=True, timeout=300)
+            elif instruction.name == "RUN" and rest.startswith("useradd "):
+                continue  # the image's user: tests/image/ runs it (make test-image)
+            elif instruction.name == "RUN":
+                mount = flags.get("mount", "")
+                assert not mount or mount.startswith("type=cache") or mount == (
+                    "type=bind,from=package,source=/wheels,target=/wheels"), f"Dockerfile:{instruction.line}: {mount}"
+                for command in _pip_commands(rest):
+                    if command == "pip check":
+                        check = subprocess.run(["bash", "-c", command], cwd=workdir, env=env, capture_output=True,
+                                               text=True, timeout=300)
+                        problems = [line for line in check.stdout.splitlines() if line.strip()] if check.returncode \
+                            else []
+                        unexpected = [line for line in problems
+                                      if not re.search(r"requires (torch|torchvision), which is not installed", line)]
+                        assert not unexpected, "\n".join(problems)
+                        commands_run.append(command)
+                        continue
+                    if "${TORCH_INDEX}" in command:
+                        command += f" --dry-run --report {report}"
+                    result = subprocess.run(["bash", "-c", rooted(command)], cwd=workdir, env=env,
+                                            capture_output=True, text=True, timeout=600)
+                    assert result.returncode == 0, f"Dockerfile:{instruction.line}: {command}\n{result.stderr[-3000:]}"
                     commands_run.append(command)
-                    continue
-                if "${TORCH_INDEX}" in command:
-                    command += f" --dry-run --report {report}"
-                result = subprocess.run(["bash", "-c", command], cwd=workdir, env=env, capture_output=True,
-                                        text=True, timeout=600)
-                assert result.returncode == 0, f"Dockerfile:{instruction.line}: {command}\n{result.stderr[-3000:]}"
-                commands_run.append(command)
-        elif instruction.name not in ("ARG",):
-            pytest.fail(f"Dockerfile:{instruction.line}: the build stage's {instruction.name} is not replayed here")
-    assert len([c for c in commands_run if c.startswith("pip install")]) == 3, commands_run
+            elif stage is not dockerfile.final and instruction.name not in ("ARG",):
+                pytest.fail(f"Dockerfile:{instruction.line}: the {stage.name} stage's {instruction.name} is not "
+                            "replayed here")
+    assert [c.split()[1] for c in commands_run if c.startswith("pip ")] == ["install", "install", "wheel", "install",
+                                                                           "check"], commands_run
     wanted = {canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"]
               for i in json.loads(report.read_text())["install"]}
     assert {n: v for n, v in wanted.items() if n in ("torch", "torchvision")} == _lock_pins(TORCH_LOCK)
@@ -339,7 +365,7 @@ def _free_port() -> int:
 def _image_env(dockerfile: Dockerfile, port: int) -> dict[str, str]:
     """The image's ENV on top of this environment, minus the developer's ETL_* settings; loopback only."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETL_") and k not in AIS_SET_ENV}
-    for key, value in dockerfile.final.env().items():
+    for key, value in dockerfile.image_env().items():
         if key == "PATH":  # /opt/venv/bin in the image = the environment running these tests
             value = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         env[key] = value

@@ -42,6 +42,7 @@ from tests.tlscerts import make_tls_files
 
 from .cluster import Node, _die_with_parent, _node_env, cluster_config, free_ports, local_config, wait_ready
 from .kube import FakeKubernetes
+from .pods import ContainerRuntime, PodRuntime, ProcessRuntime
 
 CLONE_NEWNET = 0x40000000
 NODES = {"node-0": "198.51.100.10", "node-1": "198.51.100.11", "node-2": "198.51.100.12"}
@@ -125,6 +126,7 @@ class EtlCluster:
     targets: list[Node]
     mountpaths: list[Path]
     kube_port: int
+    disks: Path | None = None  # where the mountpaths live, when apart from root (removed by stop)
     _stopped: bool = field(default=False, repr=False)
 
     @property
@@ -165,6 +167,9 @@ class EtlCluster:
                     node.process.kill()
                     node.process.wait(timeout=10)
         self.kube.stop()
+        self.kube.runtime.remove_all()
+        if self.disks is not None:
+            shutil.rmtree(self.disks, ignore_errors=True)
 
     def __enter__(self) -> EtlCluster:
         return self
@@ -220,15 +225,37 @@ def pod_base_env() -> dict[str, str]:
     return env
 
 
-def start_etl_cluster(binary: Path, root: Path, timeout: float = 120.0) -> EtlCluster:
+def pod_runtime(kind: str | None = None) -> PodRuntime:
+    """How ETL pods run: ``process`` (the default) or ``container`` (``AIS_WDS_POD_RUNTIME``; ``make test-image``)."""
+    kind = kind or os.environ.get("AIS_WDS_POD_RUNTIME") or "process"
+    if kind == "container":
+        return ContainerRuntime.checked()
+    if kind != "process":
+        raise ValueError(f"AIS_WDS_POD_RUNTIME={kind!r}: use process or container")
+    return ProcessRuntime(pod_entrypoint(), {"wds-transform": pod_entrypoint()[:-1]}, pod_base_env())
+
+
+def _disks_root(runtime: PodRuntime, root: Path) -> Path | None:
+    """Container pods read objects as uid 10001 gid 0 through the mountpaths: these must then lie where group 0
+    can reach them, as a node's data disks do (not under pytest's 0700 folder); AIS makes the rest 0750 root:root."""
+    if runtime.kind != "container":
+        return None
+    disks = Path(tempfile.mkdtemp(prefix="ais-wds-disks-", dir="/var/tmp"))
+    disks.chmod(0o750)
+    return disks
+
+
+def start_etl_cluster(binary: Path, root: Path, timeout: float = 120.0,
+                      runtime: PodRuntime | None = None) -> EtlCluster:
     """Start the fake Kubernetes and the three nodes under ``root``; wait until two targets have joined.
 
     The caller's thread must already be in the cluster's network namespace (``enter_network_namespace``).
     """
     root.mkdir(parents=True, exist_ok=True)
     tls = make_tls_files(root / "kube-tls")
-    kube = FakeKubernetes(root / "kube", dict(NODES), entrypoint=pod_entrypoint(),
-                          commands={"wds-transform": pod_entrypoint()[:-1]}, base_env=pod_base_env())
+    runtime = runtime or pod_runtime()
+    disks = _disks_root(runtime, root)
+    kube = FakeKubernetes(root / "kube", dict(NODES), runtime)
     kube.root.mkdir(parents=True)
     kube_port = kube.start(tls.server_cert, tls.server_key)
     nodes: list[Node] = []
@@ -248,18 +275,20 @@ def start_etl_cluster(binary: Path, root: Path, timeout: float = 120.0) -> EtlCl
                                  public_port=proxy_port))
         mountpaths = []
         for index in (1, 2):
-            disk = root / f"disk{index}"
+            disk = (disks or root) / f"disk{index}"
             disk.mkdir()
             mountpaths.append(disk / "mp1")
             kube.add_static_pod(f"ais-target-{index}", f"node-{index}", [("ais-data", str(disk))])
             nodes.append(_start_node(binary, "target", f"node-{index}", root / f"target{index}", config,
                                      env(f"node-{index}", f"ais-target-{index}"), mountpath_root=disk))
-        cluster = EtlCluster(root, kube, nodes[0], nodes[1:], mountpaths, kube_port)
+        cluster = EtlCluster(root, kube, nodes[0], nodes[1:], mountpaths, kube_port, disks)
     except BaseException:
         for node in nodes:
             node.process.kill()
             node.process.wait()
         kube.stop()
+        if disks is not None:
+            shutil.rmtree(disks, ignore_errors=True)
         raise
     try:
         wait_ready(cluster.proxy, cluster.targets, cluster.root, cluster.logs, timeout)

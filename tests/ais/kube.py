@@ -1,4 +1,5 @@
-"""A fake Kubernetes API and kubelet: just what AIS 5.0's targets call to run an ETL, with pods as processes.
+"""A fake Kubernetes API and kubelet: just what AIS 5.0's targets call to run an ETL, with pods as processes or
+containers (``tests/ais/pods.py``).
 
 aisnode (``github.com/NVIDIA/aistore`` v1.5.0, built with ``-tags etl``) drives each ETL pod through
 client-go (v0.35). These are the calls it makes, and so everything this server answers; any other
@@ -35,31 +36,28 @@ client-go accepts, watch streams included. The API is served over https with a t
 aisnode trusts through the service-account ``ca.crt`` (``rest.InClusterConfig``).
 
 The kubelet: a pod is scheduled on the node its required node affinity names (AIS sets
-``kubernetes.io/hostname In [$MY_NODE]``), so its ``status.hostIP`` is that node's address; it runs as a
-local process (the image's entry point, ``wds-transform serve``, or the spec's ``command``) with the
-container's environment plus ``ETL_HOST``/``ETL_PORT`` = hostIP and the NodePort of the service that
-selects it (there is no kube-proxy: the process listens on the node port itself), its output is the
-pod's log, and it becomes ``Ready`` once ``GET /health`` on its port answers ``200`` (probed every
-0.2 s, where Kubernetes would use the probe's period, 10 s). When the process exits, the container
-is reported terminated with its exit code, reason (``Completed``, ``Error``, or ``OOMKilled`` after
-``oom_kill``) and termination message: the file the container wrote at its termination-message path
-(here ``$ETL_TERMINATION_LOG``, a file of the pod's own, since every process shares this machine's
-``/dev``) or, under ``terminationMessagePolicy: FallbackToLogsOnError`` (which AIS sets) and a
-failure, the end of its log (80 lines, 2048 bytes at most), as the kubelet does. Pods are not
-restarted. Not modelled: scheduling on resources, image pulls, resource limits, restarts, probes
-other than ``/health``, and the NodePort proxy.
+``kubernetes.io/hostname In [$MY_NODE]``), so its ``status.hostIP`` is that node's address; its
+container runs (a local process of this venv, or a podman container of the image: ``pods.py``) with
+the container's environment plus ``ETL_HOST``/``ETL_PORT`` = hostIP and the NodePort of the service
+that selects it (there is no kube-proxy: the container listens on the node port itself, in the
+test's network namespace), its ``hostPath`` volumes, its output as the pod's log, and it becomes
+``Ready`` once ``GET /health`` on its port answers ``200`` (probed every 0.2 s, where Kubernetes
+would use the probe's period, 10 s). When the container exits, it is reported terminated with its
+exit code, reason (``Completed``, ``Error``, or ``OOMKilled`` after ``oom_kill``) and termination
+message: the file the container wrote at its termination-message path or, under
+``terminationMessagePolicy: FallbackToLogsOnError`` (which AIS sets) and a failure, the end of its
+log (80 lines, 2048 bytes at most), as the kubelet does. Pods are not restarted. Not modelled:
+scheduling on resources, image pulls, resource limits, restarts, probes other than ``/health``, and
+the NodePort proxy.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import os
 import signal
 import socket
 import ssl
-import subprocess
 import threading
 import time
 import uuid
@@ -69,6 +67,8 @@ from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
+
+from .pods import Container, PodRuntime
 
 # --- a protobuf reader for the fields AIS writes -------------------------------------------------------
 
@@ -125,7 +125,8 @@ _CONTAINER = {
 _REQUIREMENT = {1: ("key", "str"), 2: ("operator", "str"), 3: ("values", ["str"])}
 _AFFINITY = {1: ("nodeAffinity", {1: ("requiredDuringSchedulingIgnoredDuringExecution", {
     1: ("nodeSelectorTerms", [{1: ("matchExpressions", [_REQUIREMENT])}])})})}
-_POD_SPEC = {1: ("volumes", [{1: ("name", "str")}]), 2: ("containers", [_CONTAINER]),
+_VOLUME = {1: ("name", "str"), 2: ("source", {1: ("hostPath", {1: ("path", "str"), 2: ("type", "str")})})}
+_POD_SPEC = {1: ("volumes", [_VOLUME]), 2: ("containers", [_CONTAINER]),
              20: ("initContainers", [_CONTAINER]), 3: ("restartPolicy", "str"), 18: ("affinity", _AFFINITY)}
 _POD = {1: ("metadata", _META), 2: ("spec", _POD_SPEC)}
 _SERVICE_PORT = {1: ("name", "str"), 2: ("protocol", "str"), 3: ("port", "int"), 4: ("targetPort", "intstr"),
@@ -165,8 +166,9 @@ def decode_message(data: bytes, schema: dict) -> dict:
             out[name] = dict(_convert(v, kind) for v in values)
         else:
             out[name] = _convert(values[-1], kind)
-    if "handler" in out:  # Probe embeds ProbeHandler inline in JSON
-        out.update(out.pop("handler"))
+    for inline in ("handler", "source"):  # Probe embeds ProbeHandler, Volume its VolumeSource, inline in JSON
+        if inline in out:
+            out.update(out.pop(inline))
     return out
 
 
@@ -194,12 +196,14 @@ def status_body(code: int, reason: str, message: str, kind: str = "", name: str 
 
 @dataclass
 class Pod:
-    """One pod: its object as the API shows it, and, once scheduled, the process that runs it."""
+    """One pod: its object as the API shows it, and, once scheduled, the container that runs it."""
 
     obj: dict
     static: bool = False  # the AIS nodes' own pods: shown, never run
     folder: Path | None = None
-    process: subprocess.Popen | None = None
+    container: Container | None = None
+    runtime: str = ""  # "process" or "container": how it ran
+    user: tuple[int, int] | None = None  # (uid, gid) its main process ran as, once ready
     port: int = 0
     host: str = ""
     oom: bool = False
@@ -223,36 +227,28 @@ class Pod:
     @property
     def running(self) -> bool:
         """Its container is running (started, not yet exited)."""
-        return self.process is not None and self.process.poll() is None
+        return self.container is not None and self.container.process.poll() is None
 
     @property
     def pid(self) -> int:
         """The host pid of the container's main process (for its CPU and memory)."""
-        return self.process.pid
-
-
-def _die_with_parent() -> None:  # between fork and exec: the pod dies with the process that runs the kubelet
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    os.setpgrp()  # its own group, so a kill reaches what it started too
+        return self.container.pid
 
 
 @dataclass
 class FakeKubernetes:
     """The API server (``start``) and the kubelet of every node. ``nodes``: node name -> host IP.
 
-    ``entrypoint`` is the command a container runs when its spec has none (the image's ENTRYPOINT +
-    CMD); ``commands`` maps a spec command's first word to a local program.
+    ``runtime`` runs each pod's container (``pods.ProcessRuntime`` or ``pods.ContainerRuntime``).
     """
 
     root: Path
     nodes: dict[str, str]
-    entrypoint: list[str]
-    commands: dict[str, list[str]] = field(default_factory=dict)
-    base_env: dict[str, str] = field(default_factory=dict)
+    runtime: PodRuntime
     namespace: str = "default"
     ready_interval: float = 0.2
     pods: dict[str, Pod] = field(default_factory=dict)
+    started: list[Pod] = field(default_factory=list)  # every pod whose container started, deleted ones too
     services: dict[str, dict] = field(default_factory=dict)
     unexpected: list[str] = field(default_factory=list)
     requests: list[str] = field(default_factory=list)
@@ -403,17 +399,8 @@ class FakeKubernetes:
         return 200, obj.obj
 
     def _kill(self, pod: Pod, grace: float) -> None:
-        process = pod.process
-        if process is None or process.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM if grace else signal.SIGKILL)
-        try:
-            process.wait(timeout=grace or 10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
+        if pod.container is not None:
+            pod.container.stop(grace)
 
     def oom_kill(self, pod: Pod) -> None:
         """Kill the pod's process as the kernel's OOM killer would (reason ``OOMKilled``, exit 137)."""
@@ -422,8 +409,7 @@ class FakeKubernetes:
 
     def kill(self, pod: Pod) -> None:
         """SIGKILL the pod's container, as a node that loses it would (reason ``Error``, exit 137)."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pod.process.pid, signal.SIGKILL)
+        pod.container.signal(signal.SIGKILL)
 
     def running_pods(self, etl: str | None = None) -> list[Pod]:
         """The ETL pods (of ``etl``, if given) whose container is running now."""
@@ -466,39 +452,40 @@ class FakeKubernetes:
             pod.obj["status"]["conditions"][0]["status"] = "True"
             pod.folder = self.root / "pods" / pod.name / pod.obj["metadata"]["uid"]
             pod.folder.mkdir(parents=True)
-            env = {**self.base_env,
-                   **{e["name"]: e.get("value", "") for e in container.get("env", [])},
-                   "ETL_HOST": pod.host, "ETL_PORT": str(pod.port),
-                   "ETL_TERMINATION_LOG": str(pod.termination_log), "HOSTNAME": pod.name}
-            command = self._command(container)
-            with open(pod.log, "wb") as log:
-                pod.process = subprocess.Popen(command, env=env, cwd=pod.folder, stdin=subprocess.DEVNULL,
-                                               stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+            env = {**{e["name"]: e.get("value", "") for e in container.get("env", [])},
+                   "ETL_HOST": pod.host, "ETL_PORT": str(pod.port)}
+            pod.container = self.runtime.start(
+                pod.name, container.get("image", ""), container.get("command") or [], container.get("args") or [],
+                env, self._mounts(pod.obj["spec"], container), pod.termination_log, pod.log, pod.folder)
+            pod.runtime = self.runtime.kind
+            self.started.append(pod)
             pod.obj["status"]["phase"] = "Running"
             pod.obj["status"]["containerStatuses"] = [{
                 "name": container.get("name", ""), "image": container.get("image", ""), "ready": False,
                 "restartCount": 0, "started": True, "state": {"running": {"startedAt": _now()}}}]
             self._changed(pod)
         ready = False
-        while pod.process.poll() is None and not pod.deleted and not self._closing:
+        while pod.running and not pod.deleted and not self._closing:
             if not ready and self._healthy(pod):
                 ready = True
+                pod.user = _ids(pod.pid)
                 with self._lock:
                     pod.obj["status"]["conditions"][1]["status"] = "True"
                     pod.obj["status"]["containerStatuses"][0]["ready"] = True
                     self._changed(pod)
             time.sleep(self.ready_interval)
-        code = pod.process.wait()
+        code = pod.container.process.wait()
         with self._lock:
             if pod.deleted or self._closing:
                 return
             self._terminated(pod, container, code)
 
-    def _command(self, container: dict) -> list[str]:
-        command = container.get("command") or []
-        if not command:
-            return [*self.entrypoint, *container.get("args", [])]
-        return [*self.commands.get(command[0], [command[0]]), *command[1:], *container.get("args", [])]
+    @staticmethod
+    def _mounts(spec: dict, container: dict) -> list[tuple[str, str, bool]]:
+        """(host path, mount path, read-only) of each ``hostPath`` volume the container mounts."""
+        paths = {v["name"]: v["hostPath"]["path"] for v in spec.get("volumes", []) if v.get("hostPath", {}).get("path")}
+        return [(paths[m["name"]], m["mountPath"], bool(m.get("readOnly"))) for m in container.get("volumeMounts", [])
+                if m.get("name") in paths]
 
     def _healthy(self, pod: Pod) -> bool:
         try:
@@ -671,6 +658,15 @@ class _Handler(BaseHTTPRequestHandler):
                 or parts[4] not in ("pods", "services"):
             return self._unexpected()
         self._send(*self.kube.delete(parts[4], parts[5]))
+
+
+def _ids(pid: int) -> tuple[int, int] | None:
+    """The effective uid and gid of a process."""
+    try:
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+        return int(status["Uid"].split()[1]), int(status["Gid"].split()[1])
+    except (OSError, KeyError, IndexError, ValueError):
+        return None
 
 
 def _usage(pid: int) -> tuple[str, str]:

@@ -1,7 +1,8 @@
 """The ``ais_etl`` tests: AIS's real ETL path, target -> pod -> target -> reader, with only Kubernetes faked.
 
 One cluster (``tests/ais/etl_cluster.py``: a proxy and two targets in Kubernetes mode, the fake
-Kubernetes that runs each ETL pod as ``wds-transform serve``) serves every test of this package. The
+Kubernetes that runs each ETL pod as ``wds-transform serve``, or, under ``make test-image``, as a
+podman container of the built image) serves every test of this package. The
 test process's main thread enters the cluster's network namespace when the first test asks for it
 and leaves it when the package ends; the ``ais_etl`` tests are moved to the end of the run, so a
 process that cannot leave (an unprivileged user namespace) runs nothing else inside it. At the end
@@ -23,10 +24,11 @@ import pytest
 
 from tests.ais.cluster import AisnodeUnavailable
 from tests.ais.etl_cluster import NODES, EtlCluster, NamespaceUnavailable, enter_network_namespace, start_etl_cluster
+from tests.ais.pods import PodRuntimeUnavailable
 from tests.shardgen import imagenet_like_members, make_tar
 from transformer.client import EtlSettings, register, unregister
 
-IMAGE = "ais-wds-transformer:test"  # the fake kubelet runs wds-transform serve for any image
+IMAGE = "ais-wds-transformer:test"  # process pods: wds-transform serve; container pods: the built image (pods.py)
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -49,15 +51,19 @@ def etl_cluster(aisnode: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     try:
         try:
             cluster = start_etl_cluster(aisnode, tmp_path_factory.mktemp("ais-etl"))
-        except AisnodeUnavailable as exc:
+        except (AisnodeUnavailable, PodRuntimeUnavailable) as exc:
             pytest.fail(str(exc), pytrace=False)
         try:
             yield cluster
         finally:
             cluster.stop()
         running = [node.role for node in cluster.nodes() if node.process.poll() is None]
-        pods = [pod.name for pod in cluster.kube.running_pods()]
+        pods = [pod.name for pod in cluster.kube.running_pods()] + cluster.kube.runtime.leftovers()
         assert not running and not pods, f"left running: aisnode {running}, pods {pods}"
+        if cluster.kube.runtime.kind == "container":  # make test-image: no pod may have run any other way
+            other = [(pod.name, pod.runtime, pod.user) for pod in cluster.kube.started
+                     if pod.runtime != "container" or pod.user not in (None, (10001, 0))]
+            assert cluster.kube.started and not other, f"ETL pods not run as the image's containers: {other}"
         unexpected = cluster.kube.unexpected
         assert not unexpected, f"AIS made Kubernetes calls the fake does not serve: {unexpected}"
     finally:
