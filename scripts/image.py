@@ -262,7 +262,7 @@ def storage_bytes(chosen: Plan) -> int:
         return 0
     info = json.loads(_quiet(["podman", "info", "--format", "json"]).stdout or "{}")
     root = Path(info.get("store", {}).get("graphRoot", "/var/lib/containers/storage"))
-    result = subprocess.run(["du", "-sb", str(root)], capture_output=True, text=True, timeout=600)
+    result = subprocess.run(["du", "-sbx", str(root)], capture_output=True, text=True, timeout=600)
     return int(result.stdout.split()[0]) if result.returncode == 0 and result.stdout else 0
 
 

@@ -249,6 +249,25 @@ class Node:
         return "\n".join(parts)
 
 
+def stop_nodes(groups: list[list[Node]], timeout: float) -> list[str]:
+    """SIGTERM each group of nodes in turn and wait up to ``timeout`` for it; SIGKILL whatever is left of it.
+    Returns one line for each node that had to be killed."""
+    forced = []
+    for group in groups:
+        for node in group:
+            if node.process.poll() is None:
+                node.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for node in group:
+            try:
+                node.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                forced.append(f"aisnode {node.role} ({node.url}) still ran {timeout:.0f} s after SIGTERM: killed")
+                node.process.kill()
+                node.process.wait(timeout=10)
+    return forced
+
+
 @dataclass
 class LocalCluster:
     """One proxy and one target on 127.0.0.1; objects live under ``mountpath``."""
@@ -280,21 +299,16 @@ class LocalCluster:
     def logs(self) -> str:
         return self.proxy.log_tail() + "\n" + self.target.log_tail()
 
-    def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM the target, then the proxy; SIGKILL what is still running after ``timeout``."""
+    def stop(self, timeout: float = 20.0) -> list[str]:
+        """SIGTERM the target, then the proxy; SIGKILL what is still running after ``timeout``.
+
+        Returns what had to be forced (empty when both nodes exited on SIGTERM in time), so that a hung
+        shutdown fails the fixture instead of being hidden by the kill.
+        """
         if self._stopped:
-            return
+            return []
         self._stopped = True
-        for process in self.processes():
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for process in self.processes():
-            try:
-                process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
+        return stop_nodes([[self.target, self.proxy]], timeout)
 
     def __enter__(self) -> LocalCluster:
         return self

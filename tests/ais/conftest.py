@@ -3,8 +3,9 @@
 When any selected test is marked ``ais``, aisnode is built (or found in its cache) once, after
 collection and before the first test, so a first build's minutes do not count against a test's
 timeout. Without Go these tests fail, each with the message saying how to get it: they never skip.
-One cluster (a proxy and a target) serves the whole session; it is stopped at the end and the
-fixture checks that neither process is left running.
+One cluster (a proxy and a target) serves the whole session; it is stopped at the end, and the
+fixture fails if a node did not exit on SIGTERM within its grace time (it is killed then) or is left
+running.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def ais_cluster(aisnode: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     except AisnodeUnavailable as exc:
         pytest.fail(str(exc), pytrace=False)
     yield cluster
-    cluster.stop()
+    forced = cluster.stop()
+    assert not forced, "the cluster did not stop by itself:\n" + "\n".join(forced)
     running = [node.role for node in (cluster.proxy, cluster.target) if node.process.poll() is None]
     assert not running, f"aisnode {running} still running after stop"
 

@@ -34,13 +34,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.tlscerts import make_tls_files
 
-from .cluster import Node, _die_with_parent, _node_env, cluster_config, free_ports, local_config, wait_ready
+from .cluster import Node, _die_with_parent, _node_env, cluster_config, free_ports, local_config, stop_nodes, wait_ready
 from .kube import FakeKubernetes
 from .pods import ContainerRuntime, PodRuntime, ProcessRuntime
 
@@ -150,26 +149,26 @@ class EtlCluster:
         return "\n".join((node.folder / "log" / "aistarget.INFO").read_text(errors="replace")
                          for node in self.targets if (node.folder / "log" / "aistarget.INFO").is_file())
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the targets (they delete their ETL pods), then the proxy; then the fake Kubernetes."""
+    def stop(self, timeout: float = 30.0) -> list[str]:
+        """SIGTERM the targets, then the proxy; then the fake Kubernetes, which kills any pod still there.
+
+        Returns what had to be forced, recorded before anything is killed: an aisnode still running
+        ``timeout`` after SIGTERM, and ETL pods that AIS did not delete (on unregister, stop or its own
+        shutdown). Empty when everything ended by itself.
+        """
         if self._stopped:
-            return
+            return []
         self._stopped = True
-        for group in (self.targets, [self.proxy]):
-            for node in group:
-                if node.process.poll() is None:
-                    node.process.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + timeout
-            for node in group:
-                try:
-                    node.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    node.process.kill()
-                    node.process.wait(timeout=10)
+        forced = stop_nodes([self.targets, [self.proxy]], timeout)
+        forced += [f"pod {pod.name} ({pod.runtime}, {'running' if pod.running else 'exited'}) was never deleted by AIS"
+                   for pod in self.kube.etl_pods()]
         self.kube.stop()
-        self.kube.runtime.remove_all()
+        for runtime in {id(r): r for r in (self.kube.runtime, *self.kube.runtimes.values())}.values():
+            forced += [f"container {name} outlived its pod" for name in runtime.leftovers()]
+            runtime.remove_all()
         if self.disks is not None:
             shutil.rmtree(self.disks, ignore_errors=True)
+        return forced
 
     def __enter__(self) -> EtlCluster:
         return self
@@ -235,27 +234,28 @@ def pod_runtime(kind: str | None = None) -> PodRuntime:
     return ProcessRuntime(pod_entrypoint(), {"wds-transform": pod_entrypoint()[:-1]}, pod_base_env())
 
 
-def _disks_root(runtime: PodRuntime, root: Path) -> Path | None:
+def _disks_root(runtimes: list[PodRuntime]) -> Path | None:
     """Container pods read objects as uid 10001 gid 0 through the mountpaths: these must then lie where group 0
     can reach them, as a node's data disks do (not under pytest's 0700 folder); AIS makes the rest 0750 root:root."""
-    if runtime.kind != "container":
+    if all(runtime.kind != "container" for runtime in runtimes):
         return None
     disks = Path(tempfile.mkdtemp(prefix="ais-wds-disks-", dir="/var/tmp"))
     disks.chmod(0o750)
     return disks
 
 
-def start_etl_cluster(binary: Path, root: Path, timeout: float = 120.0,
-                      runtime: PodRuntime | None = None) -> EtlCluster:
+def start_etl_cluster(binary: Path, root: Path, timeout: float = 120.0, runtime: PodRuntime | None = None,
+                      runtimes: dict[str, PodRuntime] | None = None) -> EtlCluster:
     """Start the fake Kubernetes and the three nodes under ``root``; wait until two targets have joined.
 
+    ``runtime`` runs the ETL pods (default: ``pod_runtime()``), ``runtimes`` those of the images it names.
     The caller's thread must already be in the cluster's network namespace (``enter_network_namespace``).
     """
     root.mkdir(parents=True, exist_ok=True)
     tls = make_tls_files(root / "kube-tls")
     runtime = runtime or pod_runtime()
-    disks = _disks_root(runtime, root)
-    kube = FakeKubernetes(root / "kube", dict(NODES), runtime)
+    disks = _disks_root([runtime, *(runtimes or {}).values()])
+    kube = FakeKubernetes(root / "kube", dict(NODES), runtime, dict(runtimes or {}))
     kube.root.mkdir(parents=True)
     kube_port = kube.start(tls.server_cert, tls.server_key)
     nodes: list[Node] = []

@@ -239,12 +239,14 @@ class Pod:
 class FakeKubernetes:
     """The API server (``start``) and the kubelet of every node. ``nodes``: node name -> host IP.
 
-    ``runtime`` runs each pod's container (``pods.ProcessRuntime`` or ``pods.ContainerRuntime``).
+    ``runtime`` runs each pod's container (``pods.ProcessRuntime`` or ``pods.ContainerRuntime``);
+    ``runtimes`` names another for the pods of some images (a benchmark runs both side by side).
     """
 
     root: Path
     nodes: dict[str, str]
     runtime: PodRuntime
+    runtimes: dict[str, PodRuntime] = field(default_factory=dict)  # image name -> its runtime, if not ``runtime``
     namespace: str = "default"
     ready_interval: float = 0.2
     pods: dict[str, Pod] = field(default_factory=dict)
@@ -454,10 +456,11 @@ class FakeKubernetes:
             pod.folder.mkdir(parents=True)
             env = {**{e["name"]: e.get("value", "") for e in container.get("env", [])},
                    "ETL_HOST": pod.host, "ETL_PORT": str(pod.port)}
-            pod.container = self.runtime.start(
+            runtime = self.runtimes.get(container.get("image", ""), self.runtime)
+            pod.container = runtime.start(
                 pod.name, container.get("image", ""), container.get("command") or [], container.get("args") or [],
                 env, self._mounts(pod.obj["spec"], container), pod.termination_log, pod.log, pod.folder)
-            pod.runtime = self.runtime.kind
+            pod.runtime = runtime.kind
             self.started.append(pod)
             pod.obj["status"]["phase"] = "Running"
             pod.obj["status"]["containerStatuses"] = [{

@@ -56,7 +56,8 @@ def etl_cluster(aisnode: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         try:
             yield cluster
         finally:
-            cluster.stop()
+            forced = cluster.stop()
+        assert not forced, "the cluster did not end by itself:\n" + "\n".join(forced)
         running = [node.role for node in cluster.nodes() if node.process.poll() is None]
         pods = [pod.name for pod in cluster.kube.running_pods()] + cluster.kube.runtime.leftovers()
         assert not running and not pods, f"left running: aisnode {running}, pods {pods}"
@@ -84,7 +85,8 @@ def settings(comm_type: str = "hpush", **kwargs) -> EtlSettings:
     kwargs.setdefault("init_timeout", "60s")
     kwargs.setdefault("obj_timeout", "60s")
     kwargs.setdefault("preset", "imagenet-val")
-    return EtlSettings(image=IMAGE, comm_type=comm_type, **kwargs)
+    kwargs.setdefault("image", IMAGE)
+    return EtlSettings(comm_type=comm_type, **kwargs)
 
 
 @pytest.fixture(scope="package")
