@@ -5,6 +5,11 @@ harness), reading shards through ``etl_fqn`` from a temporary mountpath in the A
 proxy stores its objects in that same mountpath and redirects ETL GETs to the service as an AIS
 target does for ``hpull://``. Shards hold small real photographs (``tests.shardgen``) so a run stays
 quick on two cores.
+
+The tests that need the pod's side (its engine, or the service: FastAPI, uvicorn, simplejpeg,
+torchvision's transforms) are marked ``server``, so that ``-m "not server"`` runs the rest where only
+the client's dependencies are installed (``python -m bench.gpu`` on a GPU machine); the server's
+modules are imported by the fixtures that need them.
 """
 
 from __future__ import annotations
@@ -14,14 +19,36 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.contract.harness import Service, base_env, start_transformer
 from tests.httpserve import QuietServer
 from tests.shardgen import jpeg_bytes, make_tar
 
 from .fake_proxy import FakeProxy
+
+if TYPE_CHECKING:
+    from tests.contract.harness import Service
+
+HERE = Path(__file__).resolve().parent
+# The fixtures that run the pod's side, and why a test using one is marked ``server``.
+SERVER_FIXTURES = {
+    "service": "runs the service (python -m transformer serve)",
+    "served_proxy": "reads through the service (python -m transformer serve)",
+    "val_pod": "runs the service (python -m transformer serve)",
+    "whole": "reads a shard the pod's engine writes (transform_shard)",
+    "pool_module": "runs the pod's engine (TransformPool)",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if HERE not in item.path.parents or item.get_closest_marker("server"):
+            continue
+        used = [name for name in SERVER_FIXTURES if name in getattr(item, "fixturenames", ())]
+        if used:
+            item.add_marker(pytest.mark.server(reason=SERVER_FIXTURES[used[0]]))
 
 # Tiny, deterministic output: 32x32 uint8 (3 KB per sample instead of 602 KB).
 SMALL = {"transforms": [{"Resize": {"size": [32, 32]}}], "dtype": "uint8"}
@@ -34,6 +61,8 @@ def mountpath(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def service(mountpath: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    from tests.contract.harness import base_env, start_transformer
+
     env = base_env(ETL_FQN_ROOTS=str(mountpath), ETL_WORKERS="2", ETL_OBJ_TIMEOUT="60s", ETL_LOG_LEVEL="warning")
     server = start_transformer("client-suite-transformer", tmp_path_factory.mktemp("logs"), env)
     yield server

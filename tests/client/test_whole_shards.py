@@ -12,12 +12,12 @@ import io
 import json
 import tarfile
 import uuid
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 import webdataset as wds
 
-from tests.contract.harness import Service
 from tests.shardgen import make_tar, read_tar
 from transformer.client import (
     ClientError,
@@ -33,6 +33,9 @@ from transformer.integrity import END_MARKER_NAME
 from .conftest import SAMPLES, SMALL, labelled_shard
 from .fake_proxy import FakeProxy
 from .test_service_loader import fill_bucket
+
+if TYPE_CHECKING:
+    from tests.contract.harness import Service
 
 KEYS = ("npy", "cls", "__key__")
 TARGET_ERROR = json.dumps({"message": "ETL wds-etl: failed to copy the transformed object: unexpected EOF",
