@@ -242,7 +242,8 @@ def test_a_shared_slot_is_handed_back_only_once_nothing_refers_to_it() -> None:
 
 def test_worker_batches_reuse_their_shared_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker writes its batches into shared memory it keeps: batches let go come back to the same
-    few slots (torch sends them without a copy), and each batch still holds its own samples."""
+    few slots (torch sends them without a copy), and each batch still holds its own samples. Without
+    pinning: with CUDA present, ``make_loader`` pins by default, and a pinned batch is a copy."""
     from transformer.client import loader as loader_module
 
     seen: list[tuple[int, int]] = []
@@ -254,7 +255,7 @@ def test_worker_batches_reuse_their_shared_memory(tmp_path: Path, monkeypatch: p
 
     monkeypatch.setattr(loader_module._Lent, "receive", spy)
     urls = labelled_shards(tmp_path, 4, 30)
-    loader = make_loader(urls, 3, keys=("npy", "cls"), num_workers=2, shuffle_buffer=9, seed=1)
+    loader = make_loader(urls, 3, keys=("npy", "cls"), num_workers=2, shuffle_buffer=9, seed=1, pin_memory=False)
     labels_seen = []
     for images, labels in loader:
         assert images.is_shared()
@@ -264,6 +265,35 @@ def test_worker_batches_reuse_their_shared_memory(tmp_path: Path, monkeypatch: p
     assert sorted(labels_seen) == list(range(120))
     assert len(seen) == 40 and all(slot >= 0 for _, slot in seen)
     assert len(set(seen)) < len(seen) / 2, sorted(set(seen))  # reused
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned memory)")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_pinned_batches_hold_their_samples_and_hand_their_slots_back_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int) -> None:
+    """With CUDA present ``make_loader`` pins by default: each batch arrives as a pinned copy of the
+    worker's shared memory, in make_loader's batch type, and its slot is free for the worker again at once."""
+    from transformer.client import loader as loader_module
+
+    held: list[int] = []
+    receive = loader_module._Lent.receive
+
+    def spy(self, batch, worker, slots):
+        receive(self, batch, worker, slots)
+        held.extend(int(self.flags[worker, slot]) for _, slot in slots)
+
+    monkeypatch.setattr(loader_module._Lent, "receive", spy)
+    urls = labelled_shards(tmp_path, 4, 30)
+    loader = make_loader(urls, 3, keys=("npy", "cls", "__key__"), num_workers=workers, shuffle_buffer=9, seed=1)
+    kept = list(loader)  # every batch held: none may change while the workers go on
+    assert sorted(label for batch in kept for label in batch[1].tolist()) == list(range(120))
+    for batch in kept:
+        images, labels, keys = batch
+        assert type(batch) is tuple and images.is_pinned() and labels.is_pinned() and not images.is_shared()
+        for image, label, key in zip(images, labels.tolist(), keys):
+            assert key == f"k{label:05d}" and torch.equal(image, torch.full((3, 6, 5), float(label)))
+    assert len(held) == (40 if workers else 0) and not any(held)  # every slot handed back as its batch arrived
 
 
 def test_without_torchs_private_storage_calls_workers_send_batches_through_torchs_copy(
