@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import logging
 
+import numpy as np
 import pytest
 import torch
 
@@ -130,3 +132,29 @@ def test_cuda_batches_survive_the_consumers_use_and_release() -> None:
         sums.append(images.double().sum().item())
     expected = [reference(raw).double().sum().item() for raw, _ in batches]
     assert sums == pytest.approx(expected, rel=1e-6)
+
+
+def test_uint8_normalized_here_is_the_pods_float32_within_its_quantization(pool_module) -> None:
+    """The same seeded shard through the pod's engine as uint8 and as float32 (random crops and flips,
+    ImageNet normalization): the uint8 images normalized by the CPU path are the pod's float32 images
+    within the uint8 quantization, half a step (0.5/255) per pixel before normalization."""
+    from tests.shardgen import imagenet_like_shard, read_output
+    from transformer.config import Settings
+    from transformer.engine import transform_shard
+    from transformer.options import options_from_mapping
+
+    spec = {"transforms": [{"RandomResizedCrop": {"size": 48, "antialias": True}}, {"RandomHorizontalFlip": {}},
+                           {"Normalize": {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)}}], "seed": 5}
+    shard = imagenet_like_shard(6, extra=False)
+    arrays = {}
+    for dtype in ("uint8", "float32"):
+        options = options_from_mapping({**spec, "dtype": dtype}, Settings.from_env({}))
+        data = b"".join(bytes(chunk) for chunk in transform_shard(io.BytesIO(shard), options, pool_module,
+                                                                  shard="s.tar", object_name="s.tar", window=4))
+        members = {name: np.load(io.BytesIO(payload)) for name, payload in read_output(data) if name.endswith(".npy")}
+        arrays[dtype] = torch.stack([torch.from_numpy(members[name]) for name in sorted(members)])
+    assert arrays["uint8"].dtype == torch.uint8 and arrays["float32"].dtype == torch.float32
+    assert arrays["uint8"].shape == arrays["float32"].shape == (6, 3, 48, 48)
+    ((normalized, _),) = list(CudaPrefetcher([(arrays["uint8"], torch.arange(6))], device="cpu"))
+    steps = (normalized - arrays["float32"]).abs() * torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255
+    assert float(steps.max()) <= 0.5, f"{float(steps.max()):.3f} uint8 steps apart"
