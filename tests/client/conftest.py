@@ -37,7 +37,7 @@ SERVER_FIXTURES = {
     "service": "runs the service (python -m transformer serve)",
     "served_proxy": "reads through the service (python -m transformer serve)",
     "val_pod": "runs the service (python -m transformer serve)",
-    "whole": "reads a shard the pod's engine writes (transform_shard)",
+    "pod_whole": "reads a shard the pod's engine writes (transform_shard)",
     "pool_module": "runs the pod's engine (TransformPool)",
 }
 
@@ -100,14 +100,30 @@ def labelled_shard(first: int, count: int, size: tuple[int, int] = (64, 48)) -> 
     return make_tar(members)
 
 
-# A whole shard as the service writes it, and a server that answers with chosen bodies: the whole-shard
-# and webdataset-way tests share them (one pool and one transform for the session).
+# A whole shard in the service's output format, and a server that answers with chosen bodies: the
+# whole-shard and webdataset-way tests share them.
 SAMPLES = 6
 
 
 @pytest.fixture(scope="session")
-def whole(pool_module) -> bytes:
-    """A shard as the service writes it: 6 samples of uint8 .npy + .cls, then the end marker."""
+def whole() -> bytes:
+    """A shard in the service's output format, written here (``tests.shardgen``): 6 samples of a uint8
+    (3, 32, 32) ``.npy`` (filled with the sample's number) and its ``.cls``, then the end marker.
+    ``pod_whole`` is the service's own; a test checks that the two have the same members at the same offsets."""
+    import numpy as np
+
+    from tests.shardgen import npy_bytes, sealed
+
+    members = []
+    for i in range(SAMPLES):
+        members.append((f"sample-{i:05d}.npy", npy_bytes(np.full((3, 32, 32), i, np.uint8))))
+        members.append((f"sample-{i:05d}.cls", str(i).encode()))
+    return sealed(make_tar(members))
+
+
+@pytest.fixture(scope="session")
+def pod_whole(pool_module) -> bytes:
+    """A shard as the service writes it: the engine's uint8 output (``SMALL``) of ``labelled_shard(0, 6)``."""
     from transformer.config import Settings
     from transformer.engine import transform_shard
     from transformer.options import options_from_mapping
