@@ -208,36 +208,60 @@ def test_a_batch_array_is_reused_only_once_nothing_refers_to_it() -> None:
     assert reused is not None and reused.shape == (4, 3) and recycler._take((4, 3), np.dtype(np.float32)) is None
 
 
+def _send_one_batch(flags: torch.Tensor, queue, done) -> None:
+    """A DataLoader worker's part, in a process of its own: a batch written into a shared-memory slot of
+    its own, sent to the main process (torch sends the segment, not a copy), kept until told to stop."""
+    from transformer.client.loader import _SharedSlots
+
+    slots = _SharedSlots(flags[1].numpy())
+    slot, storage = slots.take(4 * 12)
+    queue.put((torch.empty(0).set_(storage, 0, (4, 3)).fill_(7), slot))
+    done.wait(60)
+
+
 def test_a_shared_slot_is_handed_back_only_once_nothing_refers_to_it() -> None:
-    """The main process's side of a worker's shared-memory batches (_Lent): a slot is free again (flag 0)
-    only when no tensor, slice, view or numpy array over its storage is left; a batch that arrived as a
-    copy (pinned memory) frees its slot at once."""
+    """The main process's side of a worker's shared-memory batches (_Lent), with a batch from another
+    process as a DataLoader's: its slot is free again (flag 0) only when no tensor, slice, view or numpy
+    array over its storage is left in this process; a batch that arrived as a copy (pinned memory) frees
+    its slot at once. A worker's slots (_SharedSlots) take a free one again, the same segment."""
+    import multiprocessing
+
     from transformer.client.loader import _Lent, _SharedSlots
 
     flags = torch.zeros((2, 3), dtype=torch.int8).share_memory_()
-    slots = _SharedSlots(flags[1].numpy())
-    slot, storage = slots.take(4 * 12)
-    assert slot == 0 and flags[1, 0] == 1
-    images = torch.empty(0).set_(storage, 0, (4, 3))
-    del storage
-    assert slots.take(4 * 12)[0] == 1  # slot 0 is held: another one
-    lent = _Lent(flags)
-    lent.receive((images, torch.arange(4)), 1, ((0, 0),))
-    row, part, array = images[1], images[:2], images.numpy()
-    del images
-    for still in (row, part, array):
+    context = multiprocessing.get_context("fork")
+    queue, done = context.Queue(), context.Event()
+    worker = context.Process(target=_send_one_batch, args=(flags, queue, done))
+    worker.start()
+    try:
+        images, slot = queue.get(timeout=60)
+        assert slot == 0 and flags[1, 0] == 1 and images.is_shared() and images.sum() == 84
+        lent = _Lent(flags)
+        lent.receive((images, torch.arange(4)), 1, ((0, 0),))
+        still = [images[1], images[:2], images.numpy()]  # a row, a slice, a numpy view
+        del images
+        while still:
+            lent.hand_back()
+            assert flags[1, 0] == 1, f"handed back while {len(still)} of them still refer to it"
+            still.pop()
         lent.hand_back()
-        assert flags[1, 0] == 1
-        del still
-    del row, part, array
-    lent.hand_back()
-    assert flags[1, 0] == 0 and flags[1, 1] == 1
+        assert flags[1, 0] == 0
+    finally:
+        done.set()
+        worker.join(60)
+    lent.receive((torch.zeros(4, 3), None), 1, ((1, 1),))  # a copy (pin_memory): its slot is free at once
+    assert flags[1, 1] == 0
+
+    flags.zero_()
+    slots = _SharedSlots(flags[1].numpy())
+    first, storage = slots.take(4 * 12)
+    assert first == 0 and flags[1, 0] == 1
+    assert slots.take(4 * 12)[0] == 1  # slot 0 is held: another one
+    flags[1, 0] = 0  # handed back (_Lent)
     again, reused = slots.take(4 * 12)
-    assert again == 0 and reused.nbytes() == 48  # the same segment, filled again
+    assert again == 0 and reused.data_ptr() == storage.data_ptr()  # the same segment, filled again
     assert slots.take(4 * 20)[0] == 2  # another size: the free slot gets a segment of its own
     assert slots.take(4 * 20)[0] == -1  # every slot held: a segment that is not kept
-    lent.receive((torch.zeros(4, 3), None), 1, ((0, 0),))  # a copy (pin_memory): its slot is free at once
-    assert flags[1, 0] == 0
 
 
 def test_worker_batches_reuse_their_shared_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
