@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= server,client,demo,bench,dali,test
 
-.PHONY: install demo test aisnode ais-etl image test-image lint clean
+.PHONY: install demo test aisnode ais-etl image test-image gpu-wheels lint clean
 
 install: $(VENV)/.installed
 
@@ -39,6 +39,12 @@ test-image: install image
 # A real AIS with ETL (one proxy, two targets, a fake Kubernetes) in a network namespace, until Ctrl-C.
 ais-etl: install
 	$(PY) -m tests.ais.etl_cluster
+
+# The wheels python -m bench.gpu installs on a GPU machine without network (docs/performance.md).
+gpu-wheels:
+	rm -rf .gpu-wheels
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux2014_x86_64 -d .gpu-wheels -r requirements/gpu-check.txt
 
 lint: install
 	$(VENV)/bin/ruff check .

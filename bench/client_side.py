@@ -24,8 +24,6 @@ from pathlib import Path
 
 import webdataset as wds
 
-from .peers.recipes import PRESETS
-
 
 def _drain(loader, limit_s: float) -> dict:
     """Iterate ``loader`` to its end (or ``limit_s``), counting samples; the clock includes worker start-up."""
@@ -47,6 +45,8 @@ def _drain(loader, limit_s: float) -> dict:
 
 
 def client_side_decoding(paths: list[Path], preset: str, workers: int, batch_size: int, limit_s: float) -> dict:
+    from .peers.recipes import PRESETS  # torchvision's: imported by the one reader that needs it
+
     transform = PRESETS[preset]
     dataset = (
         wds.WebDataset([str(p) for p in paths], shardshuffle=False)

@@ -11,13 +11,17 @@ Four timings per batch, on synthetic pinned batches (no loader in the way):
 the compute, 0 means none of it is. Run on a GPU machine::
 
     python examples/prefetch_overlap.py --batch 256 --dtype uint8 --depth 2
+
+``--json PATH`` also writes the figures there (``python -m bench.gpu`` reads them).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -32,6 +36,7 @@ def main() -> int:
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--batches", type=int, default=40)
     parser.add_argument("--matmuls", type=int, default=0, help="compute per batch (0: calibrate to the copy time)")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs CUDA: nothing to measure on this machine")
@@ -91,6 +96,12 @@ def main() -> int:
     print(f"serial          {serial_ms:8.2f} ms/batch")
     print(f"prefetched      {prefetched_ms:8.2f} ms/batch  (host wait {prefetcher.stats.wait_seconds:.3f} s)")
     print(f"overlap         {overlap:8.2f}  (1.0 = copy fully hidden behind compute)")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "device": torch.cuda.get_device_name(device), "batch": list(shape), "dtype": args.dtype,
+            "depth": args.depth, "copy_ms": copy_ms, "h2d_gb_per_s": gigabytes / copy_ms * 1000,
+            "compute_ms": compute_ms, "matmuls": matmuls, "serial_ms": serial_ms, "prefetched_ms": prefetched_ms,
+            "host_wait_s": prefetcher.stats.wait_seconds, "overlap": overlap}))
     return 0
 
 

@@ -1,4 +1,8 @@
-"""Shared fixtures for the core-module tests: default settings, options from etl_args, a pool."""
+"""Shared fixtures for the core-module tests: default settings, options from etl_args, a pool.
+
+The engine's modules are imported by the fixtures that use them, not here: the client's tests also run
+where only the client's dependencies are installed (``python -m bench.gpu`` on a GPU machine).
+"""
 
 from __future__ import annotations
 
@@ -8,26 +12,29 @@ userns.enter()  # an unprivileged run: root in a user namespace, while the proce
 
 import io  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import TYPE_CHECKING, Any  # noqa: E402
 
 import pytest  # noqa: E402
 
-from tests.shardgen import make_tar  # noqa: E402
-from transformer.config import Settings  # noqa: E402
-from transformer.engine import ShardReport, TransformPool, transform_shard  # noqa: E402
-from transformer.options import TransformOptions, options_from_mapping  # noqa: E402
-from transformer.shards import Sample, read_samples  # noqa: E402
+if TYPE_CHECKING:
+    from transformer.config import Settings
+    from transformer.engine import ShardReport, TransformPool
+    from transformer.options import TransformOptions
+    from transformer.shards import Sample
 
 
 @pytest.fixture(scope="session")
 def settings() -> Settings:
     """The service defaults, independent of the environment the tests run in."""
+    from transformer.config import Settings
+
     return Settings.from_env({})
 
 
 @pytest.fixture
 def make_options(settings: Settings) -> Callable[..., TransformOptions]:
     """``make_options(dtype="uint8", seed=1)``: options exactly as that etl_args object would give."""
+    from transformer.options import options_from_mapping
 
     def build(**etl_args: Any) -> TransformOptions:
         return options_from_mapping(etl_args, settings)
@@ -38,6 +45,8 @@ def make_options(settings: Settings) -> Callable[..., TransformOptions]:
 @pytest.fixture
 def make_sample() -> Callable[[list[tuple[str, bytes]]], Sample]:
     """The single sample that a tar of these (name, bytes) members groups into."""
+    from tests.shardgen import make_tar
+    from transformer.shards import read_samples
 
     def build(members: list[tuple[str, bytes]]) -> Sample:
         samples = list(read_samples(io.BytesIO(make_tar(members)), "test.tar", 2**30))
@@ -49,6 +58,8 @@ def make_sample() -> Callable[[list[tuple[str, bytes]]], Sample]:
 
 @pytest.fixture
 def pool() -> Iterator[TransformPool]:
+    from transformer.engine import TransformPool
+
     pool = TransformPool(workers=2, max_inflight=8)
     yield pool
     pool.shutdown()
@@ -57,6 +68,7 @@ def pool() -> Iterator[TransformPool]:
 @pytest.fixture
 def run_shard(pool: TransformPool) -> Callable[..., tuple[bytes, ShardReport]]:
     """``run_shard(tar_bytes, options, window=4)`` -> (output tar bytes, report)."""
+    from transformer.engine import ShardReport, transform_shard
 
     def run(
         data: bytes, options: TransformOptions, window: int = 4, shard: str = "test.tar"

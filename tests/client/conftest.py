@@ -5,6 +5,11 @@ harness), reading shards through ``etl_fqn`` from a temporary mountpath in the A
 proxy stores its objects in that same mountpath and redirects ETL GETs to the service as an AIS
 target does for ``hpull://``. Shards hold small real photographs (``tests.shardgen``) so a run stays
 quick on two cores.
+
+The tests that need the pod's side (its engine, or the service: FastAPI, uvicorn, simplejpeg,
+torchvision's transforms) are marked ``server``, so that ``-m "not server"`` runs the rest where only
+the client's dependencies are installed (``python -m bench.gpu`` on a GPU machine); the server's
+modules are imported by the fixtures that need them.
 """
 
 from __future__ import annotations
@@ -14,14 +19,36 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.contract.harness import Service, base_env, start_transformer
 from tests.httpserve import QuietServer
 from tests.shardgen import jpeg_bytes, make_tar
 
 from .fake_proxy import FakeProxy
+
+if TYPE_CHECKING:
+    from tests.contract.harness import Service
+
+HERE = Path(__file__).resolve().parent
+# The fixtures that run the pod's side, and why a test using one is marked ``server``.
+SERVER_FIXTURES = {
+    "service": "runs the service (python -m transformer serve)",
+    "served_proxy": "reads through the service (python -m transformer serve)",
+    "val_pod": "runs the service (python -m transformer serve)",
+    "pod_whole": "reads a shard the pod's engine writes (transform_shard)",
+    "pool_module": "runs the pod's engine (TransformPool)",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if HERE not in item.path.parents or item.get_closest_marker("server"):
+            continue
+        used = [name for name in SERVER_FIXTURES if name in getattr(item, "fixturenames", ())]
+        if used:
+            item.add_marker(pytest.mark.server(reason=SERVER_FIXTURES[used[0]]))
 
 # Tiny, deterministic output: 32x32 uint8 (3 KB per sample instead of 602 KB).
 SMALL = {"transforms": [{"Resize": {"size": [32, 32]}}], "dtype": "uint8"}
@@ -34,6 +61,8 @@ def mountpath(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def service(mountpath: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    from tests.contract.harness import base_env, start_transformer
+
     env = base_env(ETL_FQN_ROOTS=str(mountpath), ETL_WORKERS="2", ETL_OBJ_TIMEOUT="60s", ETL_LOG_LEVEL="warning")
     server = start_transformer("client-suite-transformer", tmp_path_factory.mktemp("logs"), env)
     yield server
@@ -71,14 +100,30 @@ def labelled_shard(first: int, count: int, size: tuple[int, int] = (64, 48)) -> 
     return make_tar(members)
 
 
-# A whole shard as the service writes it, and a server that answers with chosen bodies: the whole-shard
-# and webdataset-way tests share them (one pool and one transform for the session).
+# A whole shard in the service's output format, and a server that answers with chosen bodies: the
+# whole-shard and webdataset-way tests share them.
 SAMPLES = 6
 
 
 @pytest.fixture(scope="session")
-def whole(pool_module) -> bytes:
-    """A shard as the service writes it: 6 samples of uint8 .npy + .cls, then the end marker."""
+def whole() -> bytes:
+    """A shard in the service's output format, written here (``tests.shardgen``): 6 samples of a uint8
+    (3, 32, 32) ``.npy`` (filled with the sample's number) and its ``.cls``, then the end marker.
+    ``pod_whole`` is the service's own; a test checks that the two have the same members at the same offsets."""
+    import numpy as np
+
+    from tests.shardgen import npy_bytes, sealed
+
+    members = []
+    for i in range(SAMPLES):
+        members.append((f"sample-{i:05d}.npy", npy_bytes(np.full((3, 32, 32), i, np.uint8))))
+        members.append((f"sample-{i:05d}.cls", str(i).encode()))
+    return sealed(make_tar(members))
+
+
+@pytest.fixture(scope="session")
+def pod_whole(pool_module) -> bytes:
+    """A shard as the service writes it: the engine's uint8 output (``SMALL``) of ``labelled_shard(0, 6)``."""
     from transformer.config import Settings
     from transformer.engine import transform_shard
     from transformer.options import options_from_mapping

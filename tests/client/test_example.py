@@ -10,13 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.contract.harness import base_env
+pytestmark = pytest.mark.server(reason="runs the example, which starts the service (python -m transformer serve)")
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train.py"
 STEP = re.compile(r"step (\d+): loss (\d+\.\d+), .* loader errors (\d+), batch ([0-9a-f]{12})")
 
 
 def run(*args: str, cwd: Path = EXAMPLE.parents[1]) -> subprocess.CompletedProcess:
+    from tests.contract.harness import base_env
+
     return subprocess.run(
         [sys.executable, str(EXAMPLE), "--batch-size", "4", "--workers", "1", "--arch", "mobilenet_v3_small",
          "--log-batches", *args],

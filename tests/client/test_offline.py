@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
 import pytest
 
-from tests.contract.harness import Service, base_env, start_transformer
 from tests.shardgen import read_output
 from transformer.client import (
     EtlSettings,
@@ -26,6 +26,9 @@ from transformer.client import (
 from .conftest import labelled_shard
 from .fake_proxy import FakeProxy
 
+if TYPE_CHECKING:
+    from tests.contract.harness import Service
+
 IMAGE = "registry.local/ais-wds-transformer:0.1.0"
 VAL = EtlSettings(image=IMAGE, comm_type="hpush", transforms=[{"Resize": {"size": [16, 16]}}], dtype="uint8",
                   layout="HWC", obj_timeout="60s")
@@ -35,6 +38,8 @@ VAL_OPTIONS = {"transforms": [{"Resize": {"size": [16, 16]}}], "dtype": "uint8",
 @pytest.fixture(scope="module")
 def val_pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Service, Path]]:
     """The pod AIS would start for the VAL ETL: the registered environment is all it knows."""
+    from tests.contract.harness import base_env, start_transformer
+
     mountpath = tmp_path_factory.mktemp("offline-mountpath")
     env = base_env(**VAL.environment(), ETL_FQN_ROOTS=str(mountpath), ETL_WORKERS="2", ETL_LOG_LEVEL="warning")
     service = start_transformer("offline-val-pod", tmp_path_factory.mktemp("offline-logs"), env)

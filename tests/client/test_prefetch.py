@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import logging
 
+import numpy as np
 import pytest
 import torch
 
@@ -118,15 +120,71 @@ def test_cuda_matches_the_cpu_reference(depth: int) -> None:
         assert torch.equal(labels.cpu(), raw_labels)
 
 
+def read_late(batches: list, sleep_ms: float = 30.0) -> list[float]:
+    """Each batch's sum, read on the consumer stream behind a kernel that keeps it busy, the batch let go
+    before the read ran: later copies land meanwhile, so one whose memory they reused sums wrong."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(1_000_000)
+    end.record()
+    torch.cuda.synchronize()
+    cycles = int(1_000_000 * sleep_ms / max(start.elapsed_time(end), 1e-3))
+    sums = []
+    for images, _ in CudaPrefetcher(batches, device="cuda", depth=2):
+        torch.cuda._sleep(cycles)
+        sums.append(images.double().sum())
+        del images
+    return [float(total) for total in sums]  # the one synchronization, at the end
+
+
+def filled_batches(count: int = 8, size: int = 32) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Pinned uint8 batches of ImageNet-sized images, each filled with a value of its own."""
+    return [(torch.full((size, 3, 224, 224), 10 + 20 * i, dtype=torch.uint8).pin_memory(),
+             torch.arange(size).pin_memory()) for i in range(count)]
+
+
 @CUDA
 @pytest.mark.gpu
-def test_cuda_batches_survive_the_consumers_use_and_release() -> None:
-    """Batches used on the consumer stream and dropped at once must not be overwritten by later copies."""
-    batches = [(images.pin_memory(), labels.pin_memory()) for images, labels in uint8_batches(20, size=64)]
-    sums = []
-    for images, _ in CudaPrefetcher(batches, device="cuda", depth=3):
-        for _ in range(20):  # queue enough work that later copies run while this batch is still being read
-            images = images * 1.0
-        sums.append(images.double().sum().item())
+def test_cuda_batches_are_kept_while_the_step_still_reads_them() -> None:
+    batches = filled_batches()
     expected = [reference(raw).double().sum().item() for raw, _ in batches]
-    assert sums == pytest.approx(expected, rel=1e-6)
+    assert read_late(batches) == pytest.approx(expected, rel=1e-6)
+
+
+@CUDA
+@pytest.mark.gpu
+def test_without_record_stream_the_late_read_sees_later_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check above can fail: with no tensor handed out marked as used on the consumer stream, the
+    caching allocator gives a batch's memory to a later copy while the step still reads it."""
+    from transformer.client import prefetch
+
+    monkeypatch.setattr(prefetch, "_tensors", lambda batch: iter(()))
+    batches = filled_batches()
+    expected = [reference(raw).double().sum().item() for raw, _ in batches]
+    assert read_late(batches) != pytest.approx(expected, rel=1e-6)
+
+
+def test_uint8_normalized_here_is_the_pods_float32_within_its_quantization(pool_module) -> None:
+    """The same seeded shard through the pod's engine as uint8 and as float32 (random crops and flips,
+    ImageNet normalization): the uint8 images normalized by the CPU path are the pod's float32 images
+    within the uint8 quantization, half a step (0.5/255) per pixel before normalization."""
+    from tests.shardgen import imagenet_like_shard, read_output
+    from transformer.config import Settings
+    from transformer.engine import transform_shard
+    from transformer.options import options_from_mapping
+
+    spec = {"transforms": [{"RandomResizedCrop": {"size": 48, "antialias": True}}, {"RandomHorizontalFlip": {}},
+                           {"Normalize": {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)}}], "seed": 5}
+    shard = imagenet_like_shard(6, extra=False)
+    arrays = {}
+    for dtype in ("uint8", "float32"):
+        options = options_from_mapping({**spec, "dtype": dtype}, Settings.from_env({}))
+        data = b"".join(bytes(chunk) for chunk in transform_shard(io.BytesIO(shard), options, pool_module,
+                                                                  shard="s.tar", object_name="s.tar", window=4))
+        members = {name: np.load(io.BytesIO(payload)) for name, payload in read_output(data) if name.endswith(".npy")}
+        arrays[dtype] = torch.stack([torch.from_numpy(members[name]) for name in sorted(members)])
+    assert arrays["uint8"].dtype == torch.uint8 and arrays["float32"].dtype == torch.float32
+    assert arrays["uint8"].shape == arrays["float32"].shape == (6, 3, 48, 48)
+    ((normalized, _),) = list(CudaPrefetcher([(arrays["uint8"], torch.arange(6))], device="cpu"))
+    steps = (normalized - arrays["float32"]).abs() * torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255
+    assert float(steps.max()) <= 0.5, f"{float(steps.max()):.3f} uint8 steps apart"

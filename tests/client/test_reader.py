@@ -208,41 +208,66 @@ def test_a_batch_array_is_reused_only_once_nothing_refers_to_it() -> None:
     assert reused is not None and reused.shape == (4, 3) and recycler._take((4, 3), np.dtype(np.float32)) is None
 
 
+def _send_one_batch(flags: torch.Tensor, queue, done) -> None:
+    """A DataLoader worker's part, in a process of its own: a batch written into a shared-memory slot of
+    its own, sent to the main process (torch sends the segment, not a copy), kept until told to stop."""
+    from transformer.client.loader import _SharedSlots
+
+    slots = _SharedSlots(flags[1].numpy())
+    slot, storage = slots.take(4 * 12)
+    queue.put((torch.empty(0).set_(storage, 0, (4, 3)).fill_(7), slot))
+    done.wait(60)
+
+
 def test_a_shared_slot_is_handed_back_only_once_nothing_refers_to_it() -> None:
-    """The main process's side of a worker's shared-memory batches (_Lent): a slot is free again (flag 0)
-    only when no tensor, slice, view or numpy array over its storage is left; a batch that arrived as a
-    copy (pinned memory) frees its slot at once."""
+    """The main process's side of a worker's shared-memory batches (_Lent), with a batch from another
+    process as a DataLoader's: its slot is free again (flag 0) only when no tensor, slice, view or numpy
+    array over its storage is left in this process; a batch that arrived as a copy (pinned memory) frees
+    its slot at once. A worker's slots (_SharedSlots) take a free one again, the same segment."""
+    import multiprocessing
+
     from transformer.client.loader import _Lent, _SharedSlots
 
     flags = torch.zeros((2, 3), dtype=torch.int8).share_memory_()
-    slots = _SharedSlots(flags[1].numpy())
-    slot, storage = slots.take(4 * 12)
-    assert slot == 0 and flags[1, 0] == 1
-    images = torch.empty(0).set_(storage, 0, (4, 3))
-    del storage
-    assert slots.take(4 * 12)[0] == 1  # slot 0 is held: another one
-    lent = _Lent(flags)
-    lent.receive((images, torch.arange(4)), 1, ((0, 0),))
-    row, part, array = images[1], images[:2], images.numpy()
-    del images
-    for still in (row, part, array):
+    context = multiprocessing.get_context("fork")
+    queue, done = context.Queue(), context.Event()
+    worker = context.Process(target=_send_one_batch, args=(flags, queue, done))
+    worker.start()
+    try:
+        images, slot = queue.get(timeout=60)
+        assert slot == 0 and flags[1, 0] == 1 and images.is_shared() and images.sum() == 84
+        lent = _Lent(flags)
+        lent.receive((images, torch.arange(4)), 1, ((0, 0),))
+        still = [images[1], images[:2], images.numpy()]  # a row, a slice, a numpy view
+        del images
+        while still:
+            lent.hand_back()
+            assert flags[1, 0] == 1, f"handed back while {len(still)} of them still refer to it"
+            still.pop()
         lent.hand_back()
-        assert flags[1, 0] == 1
-        del still
-    del row, part, array
-    lent.hand_back()
-    assert flags[1, 0] == 0 and flags[1, 1] == 1
+        assert flags[1, 0] == 0
+    finally:
+        done.set()
+        worker.join(60)
+    lent.receive((torch.zeros(4, 3), None), 1, ((1, 1),))  # a copy (pin_memory): its slot is free at once
+    assert flags[1, 1] == 0
+
+    flags.zero_()
+    slots = _SharedSlots(flags[1].numpy())
+    first, storage = slots.take(4 * 12)
+    assert first == 0 and flags[1, 0] == 1
+    assert slots.take(4 * 12)[0] == 1  # slot 0 is held: another one
+    flags[1, 0] = 0  # handed back (_Lent)
     again, reused = slots.take(4 * 12)
-    assert again == 0 and reused.nbytes() == 48  # the same segment, filled again
+    assert again == 0 and reused.data_ptr() == storage.data_ptr()  # the same segment, filled again
     assert slots.take(4 * 20)[0] == 2  # another size: the free slot gets a segment of its own
     assert slots.take(4 * 20)[0] == -1  # every slot held: a segment that is not kept
-    lent.receive((torch.zeros(4, 3), None), 1, ((0, 0),))  # a copy (pin_memory): its slot is free at once
-    assert flags[1, 0] == 0
 
 
 def test_worker_batches_reuse_their_shared_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker writes its batches into shared memory it keeps: batches let go come back to the same
-    few slots (torch sends them without a copy), and each batch still holds its own samples."""
+    few slots (torch sends them without a copy), and each batch still holds its own samples. Without
+    pinning: with CUDA present, ``make_loader`` pins by default, and a pinned batch is a copy."""
     from transformer.client import loader as loader_module
 
     seen: list[tuple[int, int]] = []
@@ -254,7 +279,7 @@ def test_worker_batches_reuse_their_shared_memory(tmp_path: Path, monkeypatch: p
 
     monkeypatch.setattr(loader_module._Lent, "receive", spy)
     urls = labelled_shards(tmp_path, 4, 30)
-    loader = make_loader(urls, 3, keys=("npy", "cls"), num_workers=2, shuffle_buffer=9, seed=1)
+    loader = make_loader(urls, 3, keys=("npy", "cls"), num_workers=2, shuffle_buffer=9, seed=1, pin_memory=False)
     labels_seen = []
     for images, labels in loader:
         assert images.is_shared()
@@ -264,6 +289,35 @@ def test_worker_batches_reuse_their_shared_memory(tmp_path: Path, monkeypatch: p
     assert sorted(labels_seen) == list(range(120))
     assert len(seen) == 40 and all(slot >= 0 for _, slot in seen)
     assert len(set(seen)) < len(seen) / 2, sorted(set(seen))  # reused
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned memory)")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_pinned_batches_hold_their_samples_and_hand_their_slots_back_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int) -> None:
+    """With CUDA present ``make_loader`` pins by default: each batch arrives as a pinned copy of the
+    worker's shared memory, in make_loader's batch type, and its slot is free for the worker again at once."""
+    from transformer.client import loader as loader_module
+
+    held: list[int] = []
+    receive = loader_module._Lent.receive
+
+    def spy(self, batch, worker, slots):
+        receive(self, batch, worker, slots)
+        held.extend(int(self.flags[worker, slot]) for _, slot in slots)
+
+    monkeypatch.setattr(loader_module._Lent, "receive", spy)
+    urls = labelled_shards(tmp_path, 4, 30)
+    loader = make_loader(urls, 3, keys=("npy", "cls", "__key__"), num_workers=workers, shuffle_buffer=9, seed=1)
+    kept = list(loader)  # every batch held: none may change while the workers go on
+    assert sorted(label for batch in kept for label in batch[1].tolist()) == list(range(120))
+    for batch in kept:
+        images, labels, keys = batch
+        assert type(batch) is tuple and images.is_pinned() and labels.is_pinned() and not images.is_shared()
+        for image, label, key in zip(images, labels.tolist(), keys):
+            assert key == f"k{label:05d}" and torch.equal(image, torch.full((3, 6, 5), float(label)))
+    assert len(held) == (40 if workers else 0) and not any(held)  # every slot handed back as its batch arrived
 
 
 def test_without_torchs_private_storage_calls_workers_send_batches_through_torchs_copy(

@@ -12,13 +12,13 @@ import re
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import numpy as np
 import pytest
 import torch
 
-from tests.contract.harness import Service
 from transformer.client import CudaPrefetcher, EpochUrls, LoaderStateError, make_loader, shard_urls
 from transformer.client.urls import get_etl_args
 
@@ -26,6 +26,9 @@ from .conftest import labelled_shard
 from .fake_proxy import FakeProxy
 from .test_loader import write_shards
 from .test_service_loader import registered
+
+if TYPE_CHECKING:
+    from tests.contract.harness import Service
 
 PER_SHARD = 5
 SHARDS = 6

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import json
 import uuid
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 import torch
 
-from tests.contract.harness import Service
 from transformer.client import CudaPrefetcher, EpochUrls, EtlSettings, make_loader, pod_urls, register, shard_urls
 from transformer.client.urls import get_etl_args
 
 from .conftest import SMALL, labelled_shard
 from .fake_proxy import FakeProxy
+
+if TYPE_CHECKING:
+    from tests.contract.harness import Service
 
 PER_SHARD = 4
 KEYS = ("npy", "cls", "__key__")

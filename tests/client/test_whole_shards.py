@@ -12,12 +12,12 @@ import io
 import json
 import tarfile
 import uuid
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 import webdataset as wds
 
-from tests.contract.harness import Service
 from tests.shardgen import make_tar, read_tar
 from transformer.client import (
     ClientError,
@@ -33,6 +33,9 @@ from transformer.integrity import END_MARKER_NAME
 from .conftest import SAMPLES, SMALL, labelled_shard
 from .fake_proxy import FakeProxy
 from .test_service_loader import fill_bucket
+
+if TYPE_CHECKING:
+    from tests.contract.harness import Service
 
 KEYS = ("npy", "cls", "__key__")
 TARGET_ERROR = json.dumps({"message": "ETL wds-etl: failed to copy the transformed object: unexpected EOF",
@@ -62,16 +65,33 @@ def read_all(urls: list[str], **kwargs) -> tuple[list[str], ErrorCounter]:
     return [key for _, _, keys in loader for key in keys], errors
 
 
-def test_the_service_ends_every_shard_with_a_marker_the_reader_accepts(whole: bytes, served) -> None:
-    infos = members_of(whole)
+def test_the_service_ends_every_shard_with_a_marker_the_reader_accepts(pod_whole: bytes, served) -> None:
+    infos = members_of(pod_whole)
     assert infos[-1].name == END_MARKER_NAME
-    with tarfile.open(fileobj=io.BytesIO(whole)) as archive:
+    with tarfile.open(fileobj=io.BytesIO(pod_whole)) as archive:
         marker = json.loads(archive.extractfile(infos[-1]).read())
     assert marker["samples_in"] == marker["samples_out"] == SAMPLES and marker["skipped"] == 0
     assert marker["members"] == len(infos) - 1 and marker["bytes"] == infos[-1].offset
-    server = served({"/s.tar": [whole]})
+    server = served({"/s.tar": [pod_whole]})
     keys, errors = read_all([server.url + "/s.tar"])
     assert keys == [f"sample-{i:05d}" for i in range(SAMPLES)] and errors.count == 0
+
+
+def test_the_written_whole_shard_is_laid_out_as_the_services(whole: bytes, pod_whole: bytes) -> None:
+    """The shard the other tests cut (written here) has the service's members at the service's offsets,
+    and the same end marker: a cut at an offset of one is a cut at the same place in the other."""
+    def layout(shard: bytes) -> list[tuple]:
+        return [(info.name, info.offset, info.offset_data, info.size, info.type) for info in members_of(shard)]
+
+    assert layout(whole) == layout(pod_whole) and len(whole) == len(pod_whole)
+    mine, pods = dict(read_tar(whole)), dict(read_tar(pod_whole))
+    for name in mine:
+        if name.endswith(".npy"):  # the same array header: only the pixels differ
+            assert mine[name][:mine[name].index(b"\n") + 1] == pods[name][:pods[name].index(b"\n") + 1], name
+        else:
+            assert mine[name] == pods[name], name
+    with tarfile.open(fileobj=io.BytesIO(whole)) as archive, tarfile.open(fileobj=io.BytesIO(pod_whole)) as pod:
+        assert archive.extractfile(END_MARKER_NAME).read() == pod.extractfile(END_MARKER_NAME).read()
 
 
 def test_stock_webdataset_reads_a_relayed_cut_as_a_shorter_shard(whole: bytes, served) -> None:

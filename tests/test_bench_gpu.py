@@ -1,0 +1,134 @@
+"""The GPU check's script on this machine (``python -m bench.gpu --smoke``), so it cannot rot between runs
+on a GPU machine: every part ran (the CUDA ones skip without CUDA), and its verdicts can fail.
+
+Not a timed test: figures are not checked, only that each part produced them.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import gpu
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+    out = tmp_path_factory.mktemp("gpu-out")
+    work = tmp_path_factory.mktemp("gpu-work")
+    # Its tests part on two small files: the example's tests are left out (they need the service).
+    tests = ["tests/client/test_example.py", "tests/client/test_download_links.py"]
+    done = subprocess.run([sys.executable, "-m", "bench.gpu", "--smoke", "--out", str(out), "--work", str(work),
+                           "--tests", *tests], cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    return json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
+
+
+def test_every_part_ran_and_the_cuda_ones_say_why_not(smoke: tuple[dict, str]) -> None:
+    results, text = smoke
+    parts = results["parts"]
+    assert results["ok"] and text.startswith("# GPU check: passed")
+    cuda = torch.cuda.is_available()
+    for name in ("tests", "prefetch", "shards", "loaders", "training"):
+        assert parts[name]["status"] == "passed", (name, parts[name])
+    assert parts["bandwidth"]["status"] == ("passed" if cuda else "skipped")
+    tests = parts["tests"]
+    assert tests["counts"]["passed"] > 0 and not tests["failed"]
+    left_out = {entry["test"].rsplit("::", 1)[1]: entry["reason"] for entry in tests["left_out"]}
+    assert "test_training_example_runs_locally_and_resumes_mid_epoch" in left_out
+    assert all("service" in reason or "engine" in reason for reason in left_out.values())
+    rows = parts["prefetch"]["equal_to_cpu"]
+    assert len(rows) == 4 and all(row["ok"] for row in rows)
+    readers = {(row["dtype"], row["reader"]) for row in parts["loaders"]["rows"] if row["samples"] > 0}
+    assert {reader for _, reader in readers} == {"one-copy floor (one core)", "make_loader, num_workers=0",
+                                                 "make_loader, num_workers=1", "web_loader, num_workers=0"}
+    assert {dtype for dtype, _ in readers} == {"uint8", "float32"}
+    assert all(row["max_abs_difference"] <= 0.5 for row in parts["loaders"]["rows"])
+    assert [row["dtype"] for row in parts["training"]["fed"]] == ["uint8", "float32"]
+    assert all(row["steps"] > 0 and "steady_wait_s" in row for row in parts["training"]["fed"])
+
+
+def test_the_shards_are_what_the_loader_reads_as_the_pods(tmp_path: Path) -> None:
+    from transformer.client import make_loader
+
+    paths = gpu.write_shards(tmp_path, "uint8", 2, 5, 8)
+    images = gpu.distinct_images(8)
+    seen = []
+    for batch, labels in make_loader([str(p) for p in paths], 4, num_workers=0, shuffle_buffer=0,
+                                     shuffle_shards=False):
+        for image, label in zip(batch, labels.tolist()):
+            assert torch.equal(image, torch.from_numpy(images[label % gpu.DISTINCT]))
+            seen.append(label)
+    assert seen == list(range(10))  # the end marker matched: no shard was refused
+
+
+def test_the_tests_part_fails_on_a_failure_and_on_an_unexpected_skip(tmp_path: Path) -> None:
+    suite = tmp_path / "test_some.py"
+    suite.write_text("import pytest\n\n"
+                     "def test_fine():\n    pass\n\n"
+                     "def test_broken():\n    assert 1 == 2\n\n"
+                     "def test_cuda():\n    pytest.skip('needs CUDA')\n\n"
+                     "def test_other():\n    pytest.skip('no network')\n")
+    result = gpu.run_tests([str(suite)], 60, tmp_path, cuda=False)
+    assert result["counts"] == {"passed": 1, "failed": 1, "skipped": 2} and result["exit_code"] == 1
+    assert result["status"] == "failed" and result["reason"] == "no test failed; no unexpected skip"
+    assert [e["test"].rsplit("::", 1)[1] for e in result["failed"]] == ["test_broken"]
+    unexpected = next(c for c in result["checks"] if c["check"] == "no unexpected skip")["detail"]
+    assert unexpected.endswith("test_other: no network")
+    passing = [{"test": "t::a", "outcome": "passed"}]
+    assert "status" not in gpu.verdict(passing + [{"test": "t::b", "outcome": "skipped", "reason": "needs CUDA"}],
+                                       0, cuda=False)
+    on_gpu = gpu.verdict(passing + [{"test": "t::b", "outcome": "skipped", "reason": "needs CUDA"}], 0, cuda=True)
+    assert on_gpu["reason"] == "no unexpected skip"  # with CUDA, a CUDA test must run
+    assert gpu.verdict([], None, cuda=True)["reason"] == "pytest finished; tests ran"
+    (tmp_path / "test_broken_import.py").write_text("import not_a_module_anywhere\n")
+    broken = gpu.run_tests([str(tmp_path / "test_broken_import.py")], 60, tmp_path, cuda=False)
+    assert broken["exit_code"] == 2 and broken["counts"] == {"error": 1}
+    assert "not_a_module_anywhere" in broken["failed"][0]["reason"]
+
+
+def wheel(folder: Path, name: str, requires: list[str]) -> Path:
+    """A minimal pure-Python wheel of one module ``name`` that says ``VALUE = 7``."""
+    info = f"{name}-1.0.dist-info"
+    files = {f"{name}.py": b"VALUE = 7\n",
+             f"{info}/METADATA": ("Metadata-Version: 2.1\nName: " + name + "\nVersion: 1.0\n"
+                                  + "".join(f"Requires-Dist: {r}\n" for r in requires)).encode(),
+             f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},"
+                     f"{len(data)}\n" for path, data in files.items()) + f"{info}/RECORD,,\n"
+    path = folder / f"{name}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as archive:
+        for member, data in {**files, f"{info}/RECORD": record.encode()}.items():
+            archive.writestr(member, data)
+    return path
+
+
+def test_carried_wheels_go_first_on_the_path_and_unmet_requirements_are_named(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    wheel(wheels, "carried_probe", ["numpy>=1", "absent-package-xyz>=1", "numpy<1; python_version<'3'",
+                                    "other>=1; extra == 'more'"])
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", "")
+    found = gpu.install(wheels, tmp_path / "site")
+    assert found["installed"] == ["carried_probe==1.0"]
+    assert found["unmet"] == ["carried_probe needs absent-package-xyz>=1: not installed"]
+    assert found["status"] == "failed" and found["reason"] == "every requirement of the wheels met"
+    import carried_probe
+
+    assert carried_probe.VALUE == 7 and Path(carried_probe.__file__).parent == tmp_path / "site"
+    assert gpu.os.environ["PYTHONPATH"].split(gpu.os.pathsep)[0] == str(tmp_path / "site")
+    sys.modules.pop("carried_probe")
+    with pytest.raises(RuntimeError, match="no wheels"):
+        gpu.install(tmp_path / "site", tmp_path / "elsewhere")
