@@ -16,9 +16,11 @@ under ``__*__/`` by default, so a stock pipeline never sees it; ``ShardCheck`` v
 from __future__ import annotations
 
 import json
+import tarfile
+from collections.abc import Callable
 
 from .errors import ShardError
-from .shards import Member, Sample
+from .shards import BLOCK, Member, Sample
 
 END_MARKER_NAME = "__etl__/end.json"
 END_MARKER_KEY = "__etl__/end"  # its webdataset key (the name up to the basename's first dot)
@@ -106,3 +108,77 @@ class ShardCheck:
 
     def incomplete(self, reason: str) -> IncompleteShard:
         return IncompleteShard(self.shard, reason, self.samples)
+
+
+# What ends every shard the pod writes: the marker's header block, its JSON (well under one block: seven
+# short fields) and the two end-of-archive blocks. A stored copy is proven whole from these bytes alone.
+TAIL_BYTES = 4 * BLOCK
+_MARKER_SPAN = 8 * BLOCK  # how far before the end-of-archive blocks the marker's header is looked for
+_MAX_ZEROS = 1 << 20  # tar padding after the end-of-archive blocks (a record is 10 KiB by default)
+
+
+def marker_from_tail(read: Callable[[int, int], bytes], size: int, shard: str) -> dict:
+    """The end marker of a stored shard of ``size`` bytes, read from its last bytes only.
+
+    ``read(offset, length)`` returns that range of the object (a range GET): ``TAIL_BYTES`` for a
+    shard as the pod writes it, more where a tar writer padded the archive with further zero blocks.
+    The marker must be the last member and count, as its ``bytes``, exactly the bytes before it; so a
+    shard cut anywhere (no marker at its end) or holding something else fails. Its ``members`` count
+    needs the whole shard and is left to the reader (``ShardCheck``). Raises ``ShardError`` naming
+    the reason.
+    """
+    if size <= 0:
+        raise ShardError(shard, "empty object, no end marker")
+    if size % BLOCK:
+        raise ShardError(shard, f"{size} bytes are not whole {BLOCK}-byte tar blocks: cut short, no end marker")
+    length = min(size, TAIL_BYTES)
+    while True:
+        start = size - length
+        tail = read(start, length)
+        if len(tail) != length:
+            raise ShardError(shard, f"a read of its last {length} bytes returned {len(tail)}")
+        end = length
+        while end >= BLOCK and tail.count(0, end - BLOCK, end) == BLOCK:
+            end -= BLOCK
+        zeros = length - end
+        if start == 0 or zeros > _MAX_ZEROS:
+            break
+        if end == 0:  # padding after the end-of-archive blocks: read further back
+            length = min(size, 8 * length)
+            continue
+        last = _last_header(tail, end)
+        if last is not None or end >= _MARKER_SPAN:
+            break
+        length = min(size, zeros + _MARKER_SPAN)
+    if end == 0:
+        raise ShardError(shard, f"its last {length} bytes are all zeros, no end marker")
+    if zeros < 2 * BLOCK:
+        raise ShardError(shard, "no end-of-archive blocks at its end: cut short")
+    last = _last_header(tail, end)
+    if last is None:
+        raise ShardError(shard, f"no end marker ('{END_MARKER_NAME}') before its end-of-archive blocks: cut short")
+    header, info = last
+    if info.name != END_MARKER_NAME:
+        raise ShardError(shard, f"its last member is '{info.name}', not the end marker '{END_MARKER_NAME}'")
+    try:
+        marker = json.loads(tail[header + BLOCK:header + BLOCK + info.size])
+    except ValueError:
+        marker = None
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT:
+        raise ShardError(shard, f"'{END_MARKER_NAME}' is not a valid end marker")
+    if marker.get("bytes") != start + header:
+        raise ShardError(shard, f"the end marker counts {marker.get('bytes')} bytes before it, the object "
+                                f"holds {start + header}")
+    return marker
+
+
+def _last_header(tail: bytes, end: int) -> tuple[int, tarfile.TarInfo] | None:
+    """The header (offset, parsed) whose member's blocks end at ``end``, looked for in the marker's reach."""
+    for header in range(end - BLOCK, max(-1, end - _MARKER_SPAN - 1), -BLOCK):
+        try:
+            info = tarfile.TarInfo.frombuf(tail[header:header + BLOCK], "utf-8", "surrogateescape")
+        except tarfile.HeaderError:
+            continue
+        if header + BLOCK + -(-info.size // BLOCK) * BLOCK == end:
+            return header, info
+    return None

@@ -8,6 +8,11 @@ is recorded; every deviation from the contract (method, path, query, JSON body) 
 ``problems`` and answered ``400``, so a test asserts
 ``proxy.problems == []`` as well as its own expectations.
 
+Offline transforms (bucket-to-bucket ``etl-bck``, multi-object ``etl-listrange``) and ETL downloads
+(``/v1/download``) run to their end before the start request is answered. ``drops`` and ``cuts`` make
+the target lose an object's output without recording an error, as AIS does on some paths (a ``ws``
+direct put that fails on some runs; a ``ws`` reply stored cut on the same target).
+
 Objects live in an AIS mountpath layout (``<mountpath>/@ais/<bucket>/%ob/<object>``). An object GET
 with ``etl_name`` of an ``hpull://`` ETL is redirected, like a target does, to
 ``<pod>/<PathEscape(uname)>?etl_fqn=<PathEscape(fqn)>&etl_args=..``; one of an ``hpush://`` ETL is
@@ -138,6 +143,9 @@ class FakeProxy:
         self.dsort_jobs: dict[str, dict[str, Any]] = {}
         self.dsort_error: str | None = None  # set to make the next dSort job abort with this error
         self.relay_cuts: dict[str, int] = {}  # object name -> bytes after which the pod's body breaks, once
+        self.drops: set[str] = set()  # offline/download object names whose output is lost, no error recorded
+        self.cuts: dict[str, int] = {}  # ... whose output is stored cut to that many bytes, no error recorded
+        self.downloads: dict[str, dict[str, Any]] = {}  # download job id -> AIS's status of it
         self.jobs: dict[str, dict[str, Any]] = {}  # offline transform job id -> {kind, err, end_time, aborted}
         self.pod_logs = ""  # what GET /v1/etl/<name>/logs answers for the one target
         self._lock = threading.Lock()
@@ -248,6 +256,8 @@ class FakeProxy:
             return self._dsort(h, r)
         if path == "/v1/cluster":
             return self._cluster(h, r)
+        if path == "/v1/download":
+            return self._download(h, r)
         raise ContractViolation(f"no such AIS endpoint {r.method} {path}")
 
     # ---- ETL (ais/prxetl.go) --------------------------------------------------------------------
@@ -353,6 +363,8 @@ class FakeProxy:
             return self._list(h, r, bucket, action["value"])
         if r.method == "POST" and action["action"] == "etl-bck":
             return self._transform_bucket(h, r, bucket, action["value"])
+        if r.method == "POST" and action["action"] == "etl-listrange":
+            return self._transform_objects(h, bucket, action["value"])
         raise ContractViolation(f"unexpected bucket action {action['action']!r} with {r.method}")
 
     def _transform_bucket(self, h: Any, r: Recorded, bucket: str, value: dict[str, Any]) -> None:
@@ -378,13 +390,51 @@ class FakeProxy:
             return h.error(404, f"bucket \"ais://{bucket}\" does not exist")
         if self.pod_url is None or etl.message["communication"] != "hpush://":
             return h.error(501, "this fake target runs offline transforms of hpush:// ETLs only")
-        destination = to.split("/")[2]
-        job = "etl-bck-" + uuid.uuid4().hex[:8]
+        names = [name for name in self.objects(bucket) if name.startswith(value.get("prefix", ""))]
+        h.reply(200, self._offline(etl, bucket, to.split("/")[2], names, value, "etl-bck").encode())
+
+    def _transform_objects(self, h: Any, bucket: str, value: dict[str, Any]) -> None:
+        """A multi-object transform (``etl-listrange``, the SDK's ``ObjectGroup.transform``): ``cmn.TCOMsg``,
+        the objects by ``objnames`` or ``template`` beside the ``TCBMsg`` fields and the destination
+        ``tobck``. As AIS 5.0's ``lrit`` does, a listed name that does not exist is an object error, a
+        template's name that does not exist is skipped (xact/xs/lrit.go, tcobjs.go)."""
+        unknown = set(value) - {"objnames", "template", "tobck", "id", "pipeline", "request_timeout", "ext",
+                                "num-workers", "coer", "prefix", "prepend", "dry_run", "force", "latest-ver",
+                                "synchronize"}
+        if unknown:
+            raise ContractViolation(f"unknown etl-listrange fields {sorted(unknown)}")
+        if ("objnames" in value) == ("template" in value):
+            raise ContractViolation("etl-listrange needs objnames or template")
+        to = value.get("tobck")
+        if not isinstance(to, dict) or to.get("provider") != "ais" or not to.get("name"):
+            raise ContractViolation(f"tobck {to!r} is not an ais bucket")
+        etl = self.etls.get(value.get("id", ""))
+        if etl is None:
+            return h.error(404, f"etl job {value.get('id')!r} does not exist")
+        if bucket not in self.buckets:
+            return h.error(404, f"bucket \"ais://{bucket}\" does not exist")
+        if self.pod_url is None or etl.message["communication"] != "hpush://":
+            return h.error(501, "this fake target runs offline transforms of hpush:// ETLs only")
+        if "template" in value:
+            existing = set(self.objects(bucket))
+            names = [name for name in braceexpand(_no_step(value["template"])) if name in existing]
+        else:
+            names = list(value["objnames"])
+        h.reply(200, self._offline(etl, bucket, to["name"], names, value, "etl-listrange").encode())
+
+    def _offline(self, etl: FakeEtl, bucket: str, destination: str, names: list[str], value: dict[str, Any],
+                 kind: str) -> str:
+        """Each object PUT to the pod with ``etl_fqn`` and no ``etl_args`` (``apc.Transform`` has none); a
+        ``200`` body is stored under the destination name (``ext`` maps extensions, ``TCBMsg.ToName``), a pod
+        error is recorded under the object's ``ais://<bucket>/<name>``. Without ``coer`` the first error aborts."""
+        self.buckets.add(destination)
+        job = f"{kind}-" + uuid.uuid4().hex[:8]
         errors: list[dict[str, Any]] = []
         aborted = False
         pod = urlsplit(self.pod_url)
-        for name in self.objects(bucket):
-            if not name.startswith(value.get("prefix", "")):
+        for name in names:
+            if not self.fqn(bucket, name).is_file():
+                errors.append({"obj_name": f"ais://{bucket}/{name}", "msg": "object not found", "ecode": 404})
                 continue
             query = urlencode([("etl_fqn", path_escape(str(self.fqn(bucket, name))))])
             conn = http.client.HTTPConnection(pod.hostname, pod.port, timeout=60)
@@ -395,21 +445,76 @@ class FakeProxy:
             if response.status == 200:
                 stem, dot, ext = name.rpartition(".")
                 mapped = (value.get("ext") or {}).get(ext)
-                self.put_object(destination, value.get("prepend", "") + (f"{stem}.{mapped}" if dot and mapped
-                                                                          else name), body)
+                self._store(destination, value.get("prepend", "") + (f"{stem}.{mapped.lstrip('.')}" if dot and mapped
+                                                                      else name), body, name)
                 continue
-            errors.append({"obj_name": name, "msg": f"ETL error: {body.decode('utf-8', 'replace')}",
-                           "ecode": response.status})
+            errors.append({"obj_name": f"ais://{bucket}/{name}",
+                           "msg": f"ETL error: {body.decode('utf-8', 'replace')}", "ecode": response.status})
             if not value.get("coer"):
                 aborted = True
                 break
         etl.job_errors[job] = errors
-        self.jobs[job] = {"kind": "etl-bck", "err": errors[0]["msg"] if aborted else "", "aborted": aborted,
+        self.jobs[job] = {"kind": kind, "err": errors[0]["msg"] if aborted else "", "aborted": aborted,
                           "end_time": time.time_ns()}
-        h.reply(200, job.encode())
+        return job
+
+    def _store(self, bucket: str, name: str, data: bytes, asked: str) -> None:
+        """Store an offline or downloaded object, unless ``drops`` or ``cuts`` say the target loses it."""
+        if asked in self.drops:
+            return
+        self.put_object(bucket, name, data[:self.cuts[asked]] if asked in self.cuts else data)
+
+    def _download(self, h: Any, r: Recorded) -> None:
+        """ETL downloads (ext/dload): each object is asked of the ``hpush://`` pod, ``POST
+        /download?original_url=<link>&object_to=<name>[&etl_args=..]``, and its ``200`` body stored; any other
+        answer is a download error naming the object. ``GET`` answers the job's status (``dload.StatusResp``)."""
+        body = r.body if isinstance(r.body, dict) else {}
+        if r.method == "GET":
+            status = self.downloads.get(body.get("id", ""))
+            if status is None:
+                return h.error(404, f"download job {body.get('id')!r} not found")
+            return h.json(200, status)
+        if r.method != "POST":
+            raise ContractViolation(f"{r.method} /v1/download is not used by the client")
+        etl = self.etls.get(body.get("etl_name", ""))
+        if etl is None or self.pod_url is None or etl.message["communication"] != "hpush://":
+            return h.error(501, "this fake target downloads through hpush:// ETLs only")
+        kind = body.get("type")
+        if kind == "single":
+            objects = {body["object_name"]: body["link"]}
+        elif kind == "range":
+            objects = {link.rsplit("/", 1)[-1]: link for link in braceexpand(body["template"])}
+        elif kind == "multi" and isinstance(body.get("objects"), dict):
+            objects = dict(body["objects"])
+        elif kind == "multi":
+            objects = {link.rsplit("/", 1)[-1]: link for link in body["objects"]}
+        else:
+            raise ContractViolation(f"download type {kind!r}")
+        bucket = body["bucket"]["name"]
+        self.buckets.add(bucket)
+        errors = []
+        pod = urlsplit(self.pod_url)
+        for name, link in objects.items():
+            query = [("original_url", link), ("object_to", name)]
+            if body.get("etl_args"):
+                query.append(("etl_args", body["etl_args"]))
+            conn = http.client.HTTPConnection(pod.hostname, pod.port, timeout=60)
+            conn.request("POST", f"/download?{urlencode(query)}", body=b"", headers={"Content-Length": "0"})
+            response = conn.getresponse()
+            data = response.read()
+            conn.close()
+            if response.status == 200:
+                self._store(bucket, name, data, name)
+            else:
+                errors.append({"name": name, "error": f"ETL pod returned error status: {response.status}"})
+        job = "dnl-" + uuid.uuid4().hex[:8]
+        self.downloads[job] = {"id": job, "finished_time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                               "aborted": False, "total": len(objects), "finished_cnt": len(objects) - len(errors),
+                               "errors_cnt": len(errors), "download_errors": errors}
+        h.json(200, {"id": job})
 
     def _cluster(self, h: Any, r: Recorded) -> None:
-        if r.method != "GET" or r.query.get("what") != ["status"]:
+        if r.method != "GET" or r.query.get("what") not in (["status"], ["qryxstats"]):
             raise ContractViolation(f"{r.method} /v1/cluster?{r.query} is not used by the client")
         args = r.body if isinstance(r.body, dict) else {}
         job = self.jobs.get(args.get("ID", ""))  # the SDK's JobArgs: {ID, Kind, DaemonID, Bck, Buckets}
@@ -417,6 +522,10 @@ class FakeProxy:
             return h.error(404, f"job {args!r} not found")
         if args.get("Kind") not in ("", None, job["kind"]):
             raise ContractViolation(f"job kind {args.get('Kind')!r}, the job is {job['kind']}")
+        if r.query["what"] == ["qryxstats"]:  # the targets' snapshots: a multi-object job ends idle
+            ended = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(job["end_time"] / 1e9))
+            return h.json(200, {"t1": [{"id": args["ID"], "kind": job["kind"], "start-time": ended, "end-time": ended,
+                                        "aborted": job["aborted"], "abort-err": job["err"], "is_idle": True}]})
         return h.json(200, {"uuid": args["ID"], "err": job["err"], "aborted": job["aborted"],
                             "end_time": job["end_time"]})
 
@@ -460,6 +569,8 @@ class FakeProxy:
         if not self.fqn(bucket, name).is_file():
             return h.error(404, f"ais://{bucket}/{name} does not exist")
         etl_name = r.query.get("etl_name", [""])[-1]
+        if not etl_name and "Range" in r.headers:
+            return self._range(h, r.headers["Range"], self.fqn(bucket, name).read_bytes())
         if not etl_name:
             return h.reply(200, self.fqn(bucket, name).read_bytes(), "application/octet-stream")
         etl = self.etls.get(etl_name)
@@ -475,6 +586,19 @@ class FakeProxy:
             query.append(("etl_args", r.query["etl_args"][-1]))
         location = f"{self.pod_url}/{path_escape(f'ais/@#/{bucket}/{name}')}?{urlencode(query)}"
         h.reply(307, headers={"Location": location})
+
+    def _range(self, h: Any, header: str, data: bytes) -> None:
+        """A single-range GET (RFC 7233, as a target answers it): ``206`` with ``Content-Range``."""
+        match = re.fullmatch(r"bytes=(\d*)-(\d*)", header)
+        if match is None or match.group(1) == match.group(2) == "":
+            raise ContractViolation(f"Range {header!r} is not one byte range")
+        first, last = match.group(1), match.group(2)
+        start = int(first) if first else max(0, len(data) - int(last))
+        end = min(len(data) - 1, int(last)) if first and last else len(data) - 1
+        if start > end:
+            return h.reply(416, headers={"Content-Range": f"bytes */{len(data)}"})
+        h.reply(206, data[start:end + 1], "application/octet-stream",
+                headers={"Content-Range": f"bytes {start}-{end}/{len(data)}"})
 
     def _relay(self, h: Any, r: Recorded, bucket: str, name: str) -> None:
         """An inline GET of an ``hpush://`` ETL, relayed as AIS 5.0's target relays it.

@@ -16,13 +16,14 @@ logs), ``download`` (links fetched and transformed by the pods, stored in a buck
 from ..integrity import IncompleteShard
 from .convert import ConvertReport, convert
 from .dali import EtlBatchSource, read_etl_shards
-from .download import DownloadJob, download
+from .download import DownloadJob, download, wait_download
 from .errors import (
     ClientError,
     ConvertError,
     EtlNameError,
     EtlRequestError,
     EtlSpecMismatch,
+    IncompleteCopy,
     LoaderStateError,
     SampleError,
     ShardFetchError,
@@ -36,6 +37,7 @@ from .offline import (
     etl_logs,
     object_errors,
     transform_bucket,
+    wait_transform,
 )
 from .prefetch import CudaPrefetcher, PrefetchStats
 from .reading import open_shard, shard_samples, tarfile_to_whole_samples, whole_shard_samples
@@ -69,6 +71,7 @@ __all__ = [
     "EtlSettings",
     "EtlSpecMismatch",
     "EtlWebDataset",
+    "IncompleteCopy",
     "LoaderStateError",
     "OfflineJob",
     "OfflineOptionsMismatch",
@@ -107,5 +110,7 @@ __all__ = [
     "transform_bucket",
     "unregister",
     "validate_name",
+    "wait_download",
+    "wait_transform",
     "web_loader",
 ]

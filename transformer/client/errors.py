@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from ..errors import TransformerError
 
 
@@ -56,6 +58,45 @@ class ConvertError(ClientError):
 
 class ShuffleError(ClientError):
     """A dSort shuffle job failed, was aborted or timed out."""
+
+
+class IncompleteCopy(ClientError):
+    """An offline job (a transform or a download) left objects it was asked for missing from its destination,
+    or stored them cut, and recorded no error for them; raised whatever AIS says of the job.
+
+    ``missing`` and ``cut`` (object -> why) name them by their destination names, each followed in the
+    message by what it was made from where that differs (``sources``); ``job`` is the finished job as
+    the helper would have returned it (AIS's status, its recorded errors).
+    """
+
+    def __init__(self, job_id: str, origin: str, bucket: str, missing: Sequence[str], cut: Mapping[str, str], *,
+                 expected: int, ais_status: str, sources: Mapping[str, str] | None = None, job: object = None):
+        sources = sources or {}
+
+        def named(name: str) -> str:
+            source = sources.get(name, name)
+            return name if source == name else f"{name} (from {source})"
+
+        parts = []
+        if missing:
+            parts.append(f"missing: {_some([named(n) for n in missing])}")
+        if cut:
+            parts.append("stored cut (no valid end marker): "
+                         + _some([f"{named(n)}: {why}" for n, why in cut.items()]))
+        lost = len(missing) + len(cut)
+        super().__init__(
+            f"job {job_id} ({origin} -> ais://{bucket}): {lost} of {expected} objects asked for are not whole in "
+            f"the destination and AIS recorded no error for them ({ais_status}); {'; '.join(parts)}. "
+            f"Transform or download these objects again")
+        self.job_id = job_id
+        self.bucket = bucket
+        self.missing = list(missing)
+        self.cut = dict(cut)
+        self.job = job
+
+
+def _some(items: Sequence[str], shown: int = 10) -> str:
+    return ", ".join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")
 
 
 class EtlRequestError(ClientError):

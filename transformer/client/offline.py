@@ -10,8 +10,10 @@ preset="imagenet-val", dtype="uint8"))``.
 ``transform_bucket`` takes the options the copy must be made with, as ``etl_args`` would give them
 (``preset`` or ``transforms`` required), checks them against what the registered ETL will actually
 use, and refuses to start on any difference (``OfflineOptionsMismatch``, naming each one and the
-fix). It then starts the job, waits for it, and reports AIS's per-object errors. ``object_errors``
-and ``etl_logs`` surface a job's errors and the pod's logs on their own.
+fix). It then starts the job, waits for it, and reports AIS's per-object errors. Before returning it
+proves the copy whole (``transformer.client.whole_copy``): every object asked for is among those errors
+or stored with its end marker, else ``IncompleteCopy``. ``object_errors`` and ``etl_logs`` surface a
+job's errors and the pod's logs on their own.
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ..config import VARIABLES
-from .errors import ClientError
+from .errors import ClientError, IncompleteCopy
 from .registration import _registered_message, ais_errors, validate_name
-from .urls import ETL_ARG_FIELDS, etl_args
+from .urls import ETL_ARG_FIELDS, etl_args, expand_template
+from .whole_copy import check_copy, destination_name
 
 if TYPE_CHECKING:
     from aistore.sdk import Client
@@ -56,7 +59,12 @@ class OfflineOptionsMismatch(ClientError):
 
 @dataclass(frozen=True)
 class OfflineJob:
-    """A bucket-to-bucket transform: its id, and once waited for, how it ended and the objects that failed."""
+    """A bucket-to-bucket transform: its id, and once waited for, how it ended, the objects that failed
+    and how many were proven whole in the destination.
+
+    ``objects`` are the source objects it was asked for (listed when it started), ``ext`` maps their
+    names to the destination's, ``end_marker`` says whether its last stage ends each shard with one.
+    """
 
     etl_name: str
     job_id: str
@@ -66,6 +74,11 @@ class OfflineJob:
     success: bool | None = None
     error: str | None = None
     object_errors: list[tuple[str, str]] = field(default_factory=list)  # (object name, AIS's message)
+    verified: int = 0  # objects found whole (present, where end_marker is false) in the destination
+    kind: str = JOB_KIND
+    objects: tuple[str, ...] = field(default=(), repr=False)
+    ext: Mapping[str, str] | None = field(default=None, repr=False)
+    end_marker: bool = True
 
 
 def effective_options(environment: Mapping[str, str]) -> dict[str, Any]:
@@ -97,6 +110,11 @@ def check_offline_options(client: Client, etl_name: str, options: Mapping[str, A
     stated, not inherited by accident) and ``epoch`` is refused (offline jobs have none). Returns the options
     the ETL uses.
     """
+    return _checked_options(client, etl_name, options)[0]
+
+
+def _checked_options(client: Client, etl_name: str, options: Mapping[str, Any]) -> tuple[dict[str, Any], dict]:
+    """``check_offline_options``'s work: the options the ETL uses, and its init message as AIS holds it."""
     unknown = sorted(set(options) - set(ETL_ARG_FIELDS))
     if unknown:
         raise ValueError(f"offline options: unknown field {unknown[0]!r}; known fields are {', '.join(ETL_ARG_FIELDS)}")
@@ -130,7 +148,7 @@ def check_offline_options(client: Client, etl_name: str, options: Mapping[str, A
     if random and used.get("seed") is None:
         log.warning("ETL %s transforms with random augmentations and no seed: the offline copy is one random draw, "
                     "and cannot be made again identically", etl_name)
-    return used
+    return used, message
 
 
 def transform_bucket(
@@ -150,25 +168,37 @@ def transform_bucket(
     timeout: int = 3600,
     wait: bool = True,
 ) -> OfflineJob:
-    """Transform bucket ``source`` into ``destination`` with the ETL ``etl_name``, once.
+    """Transform bucket ``source`` into ``destination`` with the ETL ``etl_name``, once, and prove the copy whole.
 
     The whole bucket (or the objects under ``prefix``), or only the objects ``names`` lists or a brace
-    ``template`` such as ``val-{0000..0049}.tar`` expands to (a multi-object transform).
+    ``template`` such as ``val-{0000..0049}.tar`` expands to (a multi-object transform; names it
+    expands to that are not in ``source`` are skipped, as AIS skips them).
 
     ``options`` are the ``etl_args`` the copy must be made with; they are checked against the ETL's
     settings first (``check_offline_options``), because AIS does not pass them to offline jobs. With
     ``continue_on_error`` a failed object is recorded and the job goes on; the job's per-object errors
-    are returned. ``pipeline`` names ETLs that transform this one's output in turn (each stage uses
-    its own settings: no stage gets ``etl_args``). ``timeout`` bounds the wait, in seconds;
-    ``wait=False`` returns after starting.
+    are returned. ``ext`` maps source extensions to the destination's (``{"tar": "npy.tar"}``), as
+    AIS does. ``pipeline`` names ETLs that transform this one's output in turn (each stage uses its
+    own settings: no stage gets ``etl_args``). ``timeout`` bounds the wait, in seconds;
+    ``wait=False`` returns after starting, and ``wait_transform`` waits and checks later.
+
+    Once the job ends, the destination is checked (``transformer.client.whole_copy``): every object
+    asked for must be among the job's errors or stored whole, its end marker verified from its last
+    2 KiB (only its presence where the pipeline's last stage is another ETL, which writes no marker).
+    Raises ``IncompleteCopy`` naming the others, even when AIS reports the job as succeeded.
     """
     if names is not None and template is not None:
         raise ValueError("transform_bucket: give names or template, not both")
     if (names is not None or template is not None) and prefix:
         raise ValueError("transform_bucket: prefix applies to a whole-bucket transform, not to names or template")
-    check_offline_options(client, etl_name, options)
+    if template is not None and "{" not in template and ("@" in template or "%" in template):
+        raise ValueError(f"transform_bucket: template {template!r}: give the range in braces, e.g. "
+                         "val-{0000..0049}.tar; the copy is checked against the names it expands to")
+    _, message = _checked_options(client, etl_name, options)
     stages = [validate_name(name) for name in pipeline] or None
+    end_marker = _writes_end_marker(client, message, stages[-1]) if stages else True
     with ais_errors(etl_name, "offline transform"):
+        objects = _asked_for(client, source, prefix, names, template)
         if names is None and template is None:
             job_id = client.bucket(source).transform(
                 etl_name, to_bck=client.bucket(destination), prefix_filter=prefix, ext=dict(ext) if ext else None,
@@ -182,15 +212,79 @@ def transform_bucket(
                 continue_on_error=continue_on_error, num_workers=num_workers or None, etl_pipeline=stages,
             )
     log.info("offline transform %s: ais://%s -> ais://%s with ETL %s", job_id, source, destination, etl_name)
-    job = OfflineJob(etl_name, job_id, source, destination)
+    kind = JOB_KIND if names is None and template is None else LIST_JOB_KIND
+    job = OfflineJob(etl_name, job_id, source, destination, kind=kind, objects=objects,
+                     ext=dict(ext) if ext else None, end_marker=end_marker)
     if not wait:
         return job
-    with ais_errors(etl_name, "offline transform"):
-        kind = JOB_KIND if names is None and template is None else LIST_JOB_KIND
-        result = wait_job(client.job(job_id, job_kind=kind), timeout)
-    errors = object_errors(client, etl_name, job_id)
-    return OfflineJob(etl_name, job_id, source, destination, finished=True, success=bool(result.success),
-                      error=result.error or None, object_errors=errors)
+    return wait_transform(client, job, timeout)
+
+
+def wait_transform(client: Client, job: OfflineJob, timeout: float = 3600) -> OfflineJob:
+    """Wait for a job ``transform_bucket(..., wait=False)`` started, then prove its copy whole.
+
+    Returns the finished job (AIS's status and per-object errors, ``verified``: the objects found
+    whole); raises ``IncompleteCopy`` when an object asked for is neither among the errors nor
+    stored whole, whatever AIS reports.
+    """
+    with ais_errors(job.etl_name, "offline transform"):
+        result = wait_job(client.job(job.job_id, job_kind=job.kind), timeout)
+    errors = object_errors(client, job.etl_name, job.job_id)
+    done = replace(job, finished=True, success=bool(result.success), error=result.error or None,
+                   object_errors=errors)
+    sources = {destination_name(name, job.ext): name for name in job.objects}
+    failed = {destination_name(_object_name(name), job.ext) for name, _ in errors}
+    with ais_errors(job.etl_name, "offline copy check"):
+        check = check_copy(client, job.destination, sources, failed, end_marker=job.end_marker)
+    done = replace(done, verified=check.whole)
+    if not check.complete:
+        status = "it reports the job as succeeded" if done.success else f"it reports the job as failed: {done.error}"
+        raise IncompleteCopy(job.job_id, f"ais://{job.source}", job.destination, check.missing, dict(check.cut),
+                             expected=check.expected, ais_status=status, sources=sources, job=done)
+    return done
+
+
+def _asked_for(client: Client, source: str, prefix: str, names: Sequence[str] | None,
+               template: str | None) -> tuple[str, ...]:
+    """The source objects a job is asked to transform, as AIS will pick them: the names given; a
+    template's names that exist; or every object under the prefix (a template without a range is one)."""
+    if names is not None:
+        return tuple(dict.fromkeys(names))
+    if template is not None and "{" in template:
+        expanded = expand_template(template)
+        existing = set(_listed(client, source, template[:template.index("{")]))
+        return tuple(name for name in dict.fromkeys(expanded) if name in existing)
+    return tuple(_listed(client, source, prefix if template is None else template.rstrip("*")))
+
+
+def _listed(client: Client, bucket: str, prefix: str) -> list[str]:
+    return [entry.name for entry in client.bucket(bucket).list_objects_iter(prefix=prefix, props="name")]
+
+
+def _object_name(name: str) -> str:
+    """An object's name in the job's errors, which AIS gives as ``ais://<bucket>/<name>``."""
+    return name.split("/", 3)[3] if name.startswith("ais://") and name.count("/") >= 3 else name
+
+
+def _writes_end_marker(client: Client, first: dict, stage: str) -> bool:
+    """Whether the pipeline's last ``stage`` is this transformer, which ends each shard with its end marker:
+    registered with the service's settings (``register`` writes ``ETL_PRESET``) or the first stage's image."""
+    with ais_errors(stage, "offline transform"):
+        message = _registered_message(client.etl(stage))
+    if not message:
+        return False
+
+    def runtime(spec: dict) -> dict:
+        value = spec.get("runtime")
+        return value if isinstance(value, dict) else {}
+
+    env = {e.get("name") for e in (runtime(message).get("env") or []) + (message.get("env") or [])}
+    image = runtime(message).get("image")
+    if {"ETL_PRESET", "ETL_TRANSFORMS"} & env or (image and image == runtime(first).get("image")):
+        return True
+    log.info("offline transform: the pipeline's last stage, ETL %s, is not this transformer; the copy is checked "
+             "for the presence of each object, not for its end marker", stage)
+    return False
 
 
 def wait_job(job, timeout: float):

@@ -52,7 +52,7 @@ def test_pipeline_inline_and_offline(etl_client, pair) -> None:
     assert read_output(both) == read_output(single)  # B passes A's arrays and labels through byte-exact
     job = transform_bucket(etl_client, pair["a"], "contract-src", "contract-piped", options=OPTIONS,
                            pipeline=[pair["b"]], timeout=300)
-    assert job.success and not job.object_errors, job
+    assert job.success and not job.object_errors and job.verified == len(SHARDS), job  # B's end markers
     for shard in SHARDS:
         data = etl_client.bucket("contract-piped").object(shard).get_reader().read_all()
         assert read_output(data), shard

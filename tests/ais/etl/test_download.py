@@ -64,7 +64,7 @@ def test_many_links_by_template_list_or_mapping(etl_client, etls, origin: str, h
              "mapping": {f"copy/{name}": f"{origin}/{name}" for name in SHARDS}}[how]
     bucket = f"dl-{how}"
     job = download(etl_client, etls["hpush"], bucket, links, etl_args=ARGS, timeout=120)
-    assert job.success and job.stored == 4, job
+    assert job.success and job.stored == 4 and job.verified == 4, job  # each proven whole from its tail
     names = sorted(f"copy/{n}" for n in SHARDS) if how == "mapping" else sorted(SHARDS)
     assert objects(etl_client, bucket) == names
     for name in names:
@@ -74,7 +74,7 @@ def test_many_links_by_template_list_or_mapping(etl_client, etls, origin: str, h
 def test_each_failed_link_is_named_and_nothing_cut_is_stored(etl_client, etls, origin: str) -> None:
     links = {name: f"{origin}/{name}" for name in ("train-0001.tar", "missing.tar", "junk.tar", "bad.tar")}
     job = download(etl_client, etls["hpush"], "dl-fail", links, etl_args={**ARGS, "on_error": "fail"}, timeout=120)
-    assert job.finished and not job.success and job.stored == 1, job
+    assert job.finished and not job.success and job.stored == 1 and job.verified == 1, job
     errors = dict(job.object_errors)
     assert sorted(errors) == ["bad.tar", "junk.tar", "missing.tar"], errors
     assert "404" in errors["missing.tar"]  # the origin's 404, as the pod's status
