@@ -139,6 +139,7 @@ class FakeProxy:
         self.requests: list[Recorded] = []
         self.problems: list[str] = []
         self.etls: dict[str, FakeEtl] = {}
+        self.init_seconds = 0.0  # how long an ETL's init takes before the proxy answers
         self.buckets: set[str] = set()
         self.dsort_jobs: dict[str, dict[str, Any]] = {}
         self.dsort_error: str | None = None  # set to make the next dSort job abort with this error
@@ -340,6 +341,7 @@ class FakeProxy:
         if name in self.etls:
             return h.error(409, f"etl job {name} already exists")
         self.etls[name] = etl = FakeEtl(msg)
+        time.sleep(self.init_seconds)  # AIS answers once every target's pod is ready
         h.reply(200, etl.xaction.encode())
 
     # ---- buckets and objects ---------------------------------------------------------------------

@@ -77,6 +77,18 @@ def test_register_sends_the_init_message_through_the_sdk(ais, proxy: FakeProxy) 
         {"name": "ETL_OBJ_TIMEOUT", "value": "2m"}]}
 
 
+def test_register_waits_for_ais_past_init_timeout_rather_than_sending_the_init_again(ais, proxy: FakeProxy,
+                                                                                   monkeypatch) -> None:
+    """AIS answers an init after its pods are ready or it gave up, which is later than init_timeout: a client
+    that stops waiting at init_timeout sends the init again and AIS refuses it as already existing."""
+    from transformer.client import registration
+
+    monkeypatch.setattr(registration, "INIT_REPLY_MARGIN_S", 3.0)
+    proxy.init_seconds = 1.5
+    result = register(ais, "wds-slow", EtlSettings(image=IMAGE, init_timeout="1s"))
+    assert result.created and len(proxy.calls("PUT", "/v1/etl")) == 1
+
+
 def test_register_is_idempotent_for_the_same_spec(ais, proxy: FakeProxy) -> None:
     settings = EtlSettings(image=IMAGE, obj_timeout="60s")
     register(ais, "wds-etl", settings)

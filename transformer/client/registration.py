@@ -300,24 +300,20 @@ def _ais_message(body: object) -> tuple[str, str]:
     return text, ""
 
 
+# AIS answers an init once every target's pod is ready, or once it gave up after init_timeout: a bit
+# later than init_timeout. SDK 2.0.0's Etl.init waits exactly init_timeout, so a slow start made the SDK
+# give up first and send the init again, which AIS refused: "etl job ... already exists" (409).
+INIT_REPLY_MARGIN_S = 60.0
+
+
 def _init(etl: Etl, settings: EtlSettings, message: dict[str, Any]) -> str:
-    if settings.resources is None:
-        return etl.init(
-            image=settings.image,
-            command=list(settings.command) if settings.command is not None else None,
-            comm_type=settings.comm_type,
-            init_timeout=settings.init_timeout,
-            obj_timeout=settings.effective_obj_timeout,
-            direct_put=settings.direct_put,
-            **settings.environment(),
-        )
-    # SDK 2.0.0 Etl.init has no ``resources`` (aistore 2.0.0): send the same message through
-    # the SDK's own request client, so authentication, retries and error mapping stay the SDK's.
+    """``PUT /v1/etl`` with ``message`` (what ``Etl.init`` sends, plus ``resources``, which SDK 2.0.0 has no
+    argument for), through the SDK's own request client: authentication, retries and error mapping stay the
+    SDK's; only the wait is longer (``INIT_REPLY_MARGIN_S`` past ``init_timeout``)."""
     from aistore.sdk.utils import convert_to_seconds
 
-    response = etl._client.request(
-        "PUT", path="etl", json=message, timeout=convert_to_seconds(settings.init_timeout)
-    )
+    timeout = convert_to_seconds(settings.init_timeout) + INIT_REPLY_MARGIN_S
+    response = etl._client.request("PUT", path="etl", json=message, timeout=timeout)
     return response.text
 
 
