@@ -229,8 +229,10 @@ class _SharedSlots:
 class _Lent:
     """The main process's side of ``_SharedSlots``: the slots of the batches it received, each handed
     back (its flag set to 0) once nothing in this process refers to its storage: not the batch, not a
-    slice, a view or a numpy array over it. A batch that arrives already copied (``pin_memory``) hands
-    its slots back at once.
+    slice, a view or a numpy array over it (torch's count of the storage's users reads 1: the storage
+    object held here), nor the storage object itself, which ``untyped_storage()`` and ``storage()``
+    give the consumer too (Python's count of it reads 2: the entry here and the count's argument). A
+    batch that arrives already copied (``pin_memory``) hands its slots back at once.
 
     A batch passed on to another process (a ``multiprocessing`` queue) is out of this count: copy it
     first (``clone()``), or the worker may fill its memory again while the other process reads it.
@@ -251,11 +253,11 @@ class _Lent:
 
     def hand_back(self) -> None:
         held = []
-        for worker, slot, storage in self.held:
-            if _use_count(storage._cdata) == 1:  # ours alone
-                self.flags[worker, slot] = 0
+        for entry in self.held:
+            if _use_count(entry[2]._cdata) == 1 and sys.getrefcount(entry[2]) == 2:
+                self.flags[entry[0], entry[1]] = 0
             else:
-                held.append((worker, slot, storage))
+                held.append(entry)
         self.held = held
 
 
