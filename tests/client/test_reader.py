@@ -192,7 +192,7 @@ def test_open_batches_shuffle_without_copying_and_end_whole() -> None:
 
 
 def test_a_batch_array_is_reused_only_once_nothing_refers_to_it() -> None:
-    from transformer.client.loader import _Recycler
+    from transformer.client.batchmemory import _Recycler
 
     recycler = _Recycler(keep=2)
     array = np.zeros((4, 3), np.float32)
@@ -220,7 +220,7 @@ def test_a_shared_slot_is_handed_back_only_once_nothing_refers_to_it() -> None:
     """The main process's side of a worker's shared-memory batches (_Lent): a slot is free again (flag 0)
     only when no tensor, slice, view or numpy array over its storage is left; a batch that arrived as a
     copy (pinned memory) frees its slot at once."""
-    from transformer.client.loader import _Lent, _SharedSlots
+    from transformer.client.batchmemory import _Lent, _SharedSlots
 
     flags = torch.zeros((2, 3), dtype=torch.int8).share_memory_()
     slots = _SharedSlots(flags[1].numpy())
@@ -253,7 +253,7 @@ def test_a_shared_slot_whose_storage_object_is_kept_is_not_handed_back(how: str)
     """The storage object a consumer gets from ``untyped_storage()`` (or inside ``storage()``) is the very
     object _Lent holds, so torch's count of references reads as if _Lent alone held it: the slot stays
     held until the consumer lets it go too."""
-    from transformer.client.loader import _Lent, _SharedSlots
+    from transformer.client.batchmemory import _Lent, _SharedSlots
 
     flags = torch.zeros((1, 2), dtype=torch.int8).share_memory_()
     slots = _SharedSlots(flags[0].numpy())
