@@ -158,7 +158,7 @@ def test_keys_split_as_webdataset_splits_them(name: str) -> None:
 def scattered(count: int, size: int, samples: int) -> tuple[list[list[int]], list]:
     """Samples 0, 1, ... through a ``_Batcher`` of ``count`` open batches, each one's array read into
     the row ``place`` gives (as the reader does): the batches' labels, and the batches."""
-    from transformer.client.loader import _Batcher
+    from transformer.client.batching import _Batcher
     from transformer.client.stream import generator_key
 
     batcher = _Batcher(size, ("npy", "cls"), "partial", count, generator_key("test"))
