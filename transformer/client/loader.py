@@ -2,21 +2,16 @@
 
 Per DataLoader worker (``stream.SampleStream``)::
 
-    shard list (epoch URLs, seeded shard shuffle, identical on every rank and worker)
+    shard list (epoch URLs, seeded shard shuffle, identical on every rank and worker: epoch.shard_order)
       -> split by rank -> split by worker          (or: seeded draws with replacement, for endless streams)
       -> read each shard whole over HTTP           (reading.whole_shard_samples: end marker, cut reads continued;
                                                     each .npy read in one copy, straight into its batch row)
-      -> pick by keys, decode labels -> one of the open batches, drawn at random (_Batcher: the shuffle)
+      -> pick by keys, decode labels -> one of the open batches, drawn at random (batching: the shuffle)
+      -> the batch, in memory filled again once the training process lets it go (batchmemory)
 
-The shard order is shuffled *before* it is split, the same way in every rank and worker, and
-errors are counted and skipped (``epoch``).
-
-Resume: each batch a worker sends carries that worker's stream state right after it (which shard,
-how many of its samples, the open batches' samples by key, the draws made). The loader keeps the
-last one per worker and the number of batches yielded; ``state_dict()`` is that, ``load_state_dict()``
-starts the next ``iter()`` where it was. The DataLoader hands batches out round-robin over its
-workers, skipping the ones that are done, and restarts its cycle at worker 0: so after a batch of
-worker w, the resumed DataLoader's worker j runs the stream of worker (w + 1 + j) mod W.
+Errors are counted and skipped (``epoch.ErrorCounter``). Each batch a worker sends carries that
+worker's stream state right after it; the loader keeps the last one per worker, and
+``state_dict()``/``load_state_dict()`` save and restore it (``resume``).
 """
 
 from __future__ import annotations
@@ -31,65 +26,15 @@ from webdataset.utils import pytorch_worker_info
 
 from .batching import _Batcher
 from .batchmemory import _SHARED_SLOTS, _Lent, _SharedSlots
-from .epoch import ErrorCounter, epoch_urls, shard_order, urls_digest
-from .errors import ClientError, LoaderStateError
-from .stream import SampleStream, ShardReader, StreamSpec, check_snapshot, generator_key, plain, sample_tuples
+from .epoch import ErrorCounter, epoch_urls, shard_order
+from .errors import ClientError
+from .resume import _Config, _Position, _Snapshot, position_of, state_of
+from .stream import SampleStream, ShardReader, StreamSpec, generator_key, sample_tuples
 
 log = logging.getLogger("transformer.client")
 
 LAST_BATCH = ("partial", "drop", "pad")
 DEFAULT_KEYS = ("npy;image.npy", "cls")
-STATE_FORMAT = "ais-wds-loader-state/2"
-
-
-class _Snapshot:
-    """A worker's stream state right after one of its batches, and the shared-memory slots of the
-    batch's tensors as (column, slot); travels with the batch, untouched by the DataLoader's
-    conversions (they do not look into objects of other types)."""
-
-    __slots__ = ("worker", "state", "slots")
-
-    def __init__(self, worker: int, state: dict[str, Any], slots: tuple[tuple[int, int], ...] = ()):
-        self.worker = worker
-        self.state = state
-        self.slots = slots
-
-    def __reduce__(self):
-        return _Snapshot, (self.worker, self.state, self.slots)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Config:
-    """Everything the batches of an epoch depend on, except the epoch."""
-
-    urls: Sequence[str] | Callable[[int], Sequence[str]]
-    keys: tuple[str, ...]
-    batch_size: int
-    last_batch: str
-    seed: int
-    shuffle_shards: bool
-    shuffle_buffer: int
-    resampled: bool
-    epoch_batches: int | None
-    split_by_node: bool
-    rank: int
-    world_size: int
-    streams: int  # logical workers: max(1, num_workers)
-
-    @property
-    def open_batches(self) -> int:
-        """Batches filled at once (_Batcher): as many as hold ``shuffle_buffer`` samples, at least two to
-        shuffle at all; one without a shuffle buffer."""
-        return 1 if self.shuffle_buffer <= 1 else max(2, -(-self.shuffle_buffer // self.batch_size))
-
-    def fingerprint(self, epoch: int) -> dict[str, Any]:
-        """What a saved state must match (JSON-able)."""
-        urls = epoch_urls(self.urls, epoch)
-        return {"urls": urls_digest(urls), "shards": len(urls), "seed": self.seed, "batch_size": self.batch_size,
-                "workers": self.streams, "shuffle_buffer": self.shuffle_buffer, "shuffle_shards": self.shuffle_shards,
-                "last_batch": self.last_batch, "keys": list(self.keys), "resampled": self.resampled,
-                "epoch_batches": self.epoch_batches, "split_by_node": self.split_by_node, "rank": self.rank,
-                "world_size": self.world_size}
 
 
 class _Streams(torch.utils.data.IterableDataset):
@@ -166,23 +111,6 @@ def _held_values(held: list[tuple[int, int, dict[str, Any]]], keys: tuple[str, .
         for values in sample_tuples(iter([sample]), keys, handler):
             found[index, position] = values
     return found
-
-
-@dataclasses.dataclass
-class _Position:
-    """Where a loader is: in ``epoch``, after ``batches`` batches (in pass ``passes`` of a finite stream
-    that ``epoch_batches`` restarts), the next one from logical worker ``next_worker``; ``workers``
-    holds each worker's state after its last batch."""
-
-    epoch: int
-    batches: int = 0
-    passes: int = 0
-    next_worker: int = 0
-    workers: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    finished: bool = False
-
-    def copy(self) -> _Position:
-        return dataclasses.replace(self, workers=dict(self.workers))
 
 
 class EtlLoader:
@@ -299,16 +227,7 @@ class EtlLoader:
         return self._state_of(self._position())
 
     def _state_of(self, position: _Position) -> dict[str, Any]:
-        return {
-            "format": STATE_FORMAT,
-            "kind": "make_loader",
-            "epoch": position.epoch,
-            "batches": position.batches,
-            "passes": position.passes,
-            "next_worker": position.next_worker,
-            "workers": [plain(position.workers[w]) for w in sorted(position.workers)],
-            "config": self.config.fingerprint(position.epoch),
-        }
+        return state_of(position, self.config)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from ``state_dict()``'s output at the next ``iter()``: the rest of its epoch, exactly.
@@ -317,98 +236,9 @@ class EtlLoader:
         URLs, seed, batch size, workers, shuffle buffer, last_batch, keys, resampling, epoch length, or
         rank/world size; or when the state is not one this version reads.
         """
-        config = self.config
-        epoch = check_state(state, "make_loader")
-        check_fingerprint(state, config.fingerprint(epoch))
-        batches, passes, next_worker = (_count(state, name) for name in ("batches", "passes", "next_worker"))
-        if next_worker >= config.streams:
-            raise LoaderStateError(f"loader state: next_worker {next_worker} is not one of {config.streams} workers")
-        workers: dict[int, dict[str, Any]] = {}
-        urls = state["config"]["shards"]
-        for worker_state in _list(state, "workers"):
-            worker = worker_state.get("worker") if isinstance(worker_state, dict) else None
-            if not isinstance(worker, int) or not 0 <= worker < config.streams or worker in workers:
-                raise LoaderStateError(f"loader state: worker entry {str(worker_state)[:80]} names no worker "
-                                       f"of {config.streams}, or one twice")
-            problem = (check_snapshot(worker_state, urls, config.open_batches * config.batch_size)
-                       or _check_count(worker_state, "batches") or _check_open(worker_state, config))
-            if problem:
-                raise LoaderStateError(f"loader state: worker {worker}: {problem}")
-            workers[worker] = plain(worker_state)
-        self._pending = _Position(epoch, batches, passes, next_worker, workers)
+        self._pending = position_of(state, self.config)
         self._progress = None
-        self._next_epoch = epoch
-
-
-def check_state(state: Any, kind: str) -> int:
-    """The epoch of a saved state of this ``kind``; ``LoaderStateError`` unless this version reads it."""
-    if not isinstance(state, dict) or not isinstance(state.get("format"), str):
-        raise LoaderStateError("not a loader state: no 'format' (give what state_dict() returned)")
-    name, _, version = state["format"].rpartition("/")
-    ours, _, current = STATE_FORMAT.rpartition("/")
-    if name != ours or not version.isdigit():
-        raise LoaderStateError(f"not a loader state: format {state['format']!r} (this version reads {STATE_FORMAT!r})")
-    if int(version) != int(current):
-        age = "an older" if int(version) < int(current) else "a newer"
-        raise LoaderStateError(f"a loader state in {age} format ({state['format']!r}); this version reads only "
-                               f"{STATE_FORMAT!r}: start the epoch from its beginning (set_epoch) instead")
-    if state.get("kind") != kind:
-        raise LoaderStateError(f"a state of {state.get('kind')!r}, not of {kind!r}")
-    return _count(state, "epoch")
-
-
-def check_fingerprint(state: dict[str, Any], mine: dict[str, Any]) -> None:
-    saved = state.get("config")
-    if not isinstance(saved, dict):
-        raise LoaderStateError("loader state: no 'config'")
-    differences = []
-    for name, value in mine.items():
-        if name == "shards":
-            continue
-        if name == "urls":
-            if saved.get("urls") != value:
-                differences.append(f"urls (the epoch's {saved.get('shards')} shard URLs were saved, this loader "
-                                   f"reads {mine['shards']} others: digest {saved.get('urls')} vs {value}; an "
-                                   "EpochUrls made without seed= draws a new seed in every run)")
-        elif saved.get(name, "missing") != value:
-            differences.append(f"{name} (saved {saved.get(name, 'missing')!r}, this loader {value!r})")
-    unknown = sorted(set(saved) - set(mine))
-    if unknown:
-        differences.append(f"unknown fields {', '.join(unknown)}")
-    if differences:
-        raise LoaderStateError(f"refusing a loader state made with another configuration: {'; '.join(differences)}")
-
-
-def _count(state: dict[str, Any], name: str) -> int:
-    problem = _check_count(state, name)
-    if problem:
-        raise LoaderStateError(f"loader state: {problem}")
-    return state[name]
-
-
-def _check_count(state: dict[str, Any], name: str) -> str | None:
-    value = state.get(name)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        return f"'{name}' is not a non-negative integer"
-    return None
-
-
-def _check_open(state: dict[str, Any], config: _Config) -> str | None:
-    """What is wrong with a worker state's open batches (None: nothing)."""
-    rows = state.get("open")
-    if (not isinstance(rows, list) or len(rows) != config.open_batches
-            or not all(type(n) is int and 0 <= n < config.batch_size for n in rows)):
-        return f"'open' is not a list of {config.open_batches} row counts below {config.batch_size}"
-    if sum(rows) != len(state["buffer"]):
-        return f"'open' counts {sum(rows)} rows, 'buffer' names {len(state['buffer'])} samples"
-    return None
-
-
-def _list(state: dict[str, Any], name: str) -> list[Any]:
-    value = state.get(name)
-    if not isinstance(value, list):
-        raise LoaderStateError(f"loader state: '{name}' is not a list")
-    return value
+        self._next_epoch = self._pending.epoch
 
 
 def make_loader(
