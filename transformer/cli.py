@@ -13,9 +13,12 @@ from pathlib import Path
 
 from .errors import TransformerError
 
+DESCRIPTION = ("The AIS ETL transformer for WebDataset shards: 'serve' runs the service (the pod's entry "
+               "point); the other commands use its engine on local files.")
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="wds-transform", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="wds-transform", description=DESCRIPTION)
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the AIS ETL transformer service (the pod's entry point)")
