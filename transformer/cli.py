@@ -255,6 +255,9 @@ def _inspect(args: argparse.Namespace) -> int:
         failure = exc.message
     finally:
         stream.close()
+    if failure is not None and not samples and not members:  # not a tar: nothing to summarize
+        print(f"error: {failure}", file=sys.stderr)
+        return 1
     print(f"{shard}: {samples} samples, {members} members")
     print("  members by extension: " + ", ".join(f"{e or '(none)'} x{n}" for e, n in sorted(extensions.items())))
     for description, count in sorted(arrays.items()):
