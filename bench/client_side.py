@@ -125,7 +125,7 @@ def one_copy_batches(paths: list[Path], batch_size: int) -> Iterator[tuple]:
     import torch
     from numpy.lib import format as npy
 
-    from transformer.client.loader import _Recycler
+    from transformer.client.batchmemory import _Recycler
 
     recycler = _Recycler(keep=4)
     headers: dict[bytes, tuple] = {}

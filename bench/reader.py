@@ -116,7 +116,7 @@ def mixing(batch_size: int, samples: int = 40_000, shard: int = 256) -> list[dic
     follow each other in the stream land in one batch. ``make_loader`` (open batches filled at once,
     its ``_Batcher``) against a buffer that picks samples at random (``SampleStream``'s, as
     webdataset's ``shuffle``), by the samples each holds at most."""
-    from transformer.client.loader import _Batcher
+    from transformer.client.batching import _Batcher
     from transformer.client.stream import SampleStream, StreamSpec, generator_key
 
     class Shards:  # in-order shards of labelled samples, as SampleStream reads them

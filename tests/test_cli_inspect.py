@@ -54,6 +54,19 @@ def test_a_cut_or_unmarked_shard_is_an_error(shards, capsys, name: str) -> None:
     assert ("1 samples" if name == "cut" else "3 samples") in captured.out
 
 
+@pytest.mark.parametrize("content, why", [(b"root:x:0:0:root:/root:/bin/sh\n" * 20, "invalid header"),
+                                          (b"", "empty file"), (b"\x8b" * 100, "truncated header")],
+                         ids=["text", "empty", "binary"])
+def test_a_file_that_is_not_a_tar_gets_the_error_alone(tmp_path: Path, capsys, content: bytes, why: str) -> None:
+    path = tmp_path / "passwd"
+    path.write_bytes(content)
+    for raw in ([], ["--raw"]):
+        assert main(["inspect", *raw, str(path)]) == 1
+        captured = capsys.readouterr()
+        assert captured.out == "", captured.out  # no summary of nothing
+        assert captured.err == f"error: shard '{path}': not a tar archive ({why})\n"
+
+
 def test_the_labels_of_a_large_shard_are_summarized_on_one_short_line(tmp_path: Path, capsys) -> None:
     labels = ["5"] * 100 + ["7"] * 60 + ["12"] * 40 + [str(n) for n in range(100, 156)]  # 256 samples, 59 labels
     shard = tmp_path / "labels.tar"

@@ -173,12 +173,27 @@ def test_image_listens_where_ais_connects(dockerfile: Dockerfile) -> None:
     assert settings.keepalive > 6 and settings.port == AIS_PORT
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="switching to the image's uid:gid needs root")
+def switch_refused(uid: int, gid: int) -> str | None:
+    """Why this process cannot run a command as ``uid:gid`` with no other group (None: it can). That takes
+    root with both ids mapped in its user namespace: not a run that tests/conftest.py made root in a user
+    namespace of its own, which maps its one uid to 0 and denies setgroups."""
+    try:
+        subprocess.run(["true"], user=uid, group=gid, extra_groups=[], check=True, timeout=10)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{exc.__class__.__name__}: {exc}"
+    return None
+
+
 def test_image_user_reads_objects_as_ais_writes_them(dockerfile: Dockerfile, tmp_path: Path) -> None:
     """AIS targets run as root and write objects 0640 root:root (cmn/cos/io.go); the image's USER must
     read them through the same mountpath layout (directories 0750)."""
     uid, _, gid = dockerfile.final.last("USER").value.partition(":")
     assert gid, "USER must name the group too (uid:0): a user's own group cannot read AIS objects"
+    for ids in ((int(uid), int(gid)), (int(uid), int(uid))):
+        refused = switch_refused(*ids)
+        if refused:
+            pytest.skip(f"this process cannot run a command as {ids[0]}:{ids[1]} ({refused}); that needs root "
+                        "with both ids mapped, as a real root has")
     mountpath = Path(os.environ.get("TMPDIR", "/tmp")) / f"deploy-mp-{os.getpid()}"
     obj = mountpath / "@ais" / "bck" / "%ob" / "shard.tar"
     try:
@@ -196,6 +211,20 @@ def test_image_user_reads_objects_as_ais_writes_them(dockerfile: Dockerfile, tmp
         assert other.returncode != 0
     finally:
         shutil.rmtree(mountpath, ignore_errors=True)
+
+
+def test_the_image_user_check_skips_where_its_ids_are_not_mapped(tmp_path: Path) -> None:
+    """Root in a user namespace that maps only itself (as tests/conftest.py makes an unprivileged run)
+    cannot become the image's user: the check skips saying so, and does not fail on the switch."""
+    test = "tests/test_deploy.py::test_image_user_reads_objects_as_ais_writes_them"
+    result = subprocess.run(
+        ["unshare", "--user", "--map-root-user", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "-rs", f"--basetemp={tmp_path / 'run'}", test],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "1 skipped" in output, output
+    assert "cannot run a command as 10001:0 (PermissionError" in output, output
 
 
 def test_build_context_holds_every_copy_source_and_nothing_else(dockerfile: Dockerfile, tmp_path: Path) -> None:

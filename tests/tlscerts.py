@@ -2,6 +2,7 @@
 
 Made with the ``openssl`` command line (neither ``cryptography`` nor ``trustme`` is a dependency), with
 the extensions a strict verifier wants (key usages, key identifiers, subjectAltName), valid for two days.
+Without ``openssl`` the tests that need these files fail saying so: they never skip.
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-
-import pytest
 
 _CONFIG = """\
 [req]
@@ -56,9 +55,14 @@ def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
 
 
+class OpensslUnavailable(RuntimeError):
+    """The ``openssl`` command line is not on PATH."""
+
+
 def make_tls_files(folder: Path) -> TlsFiles:
     if shutil.which("openssl") is None:
-        pytest.skip("the openssl command line is needed to make test certificates")
+        raise OpensslUnavailable("the openssl command line is needed to make test certificates and is not on "
+                                 "PATH (Debian: apt-get install openssl)")
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "openssl.cnf").write_text(_CONFIG)
     ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")

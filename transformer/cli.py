@@ -13,9 +13,12 @@ from pathlib import Path
 
 from .errors import TransformerError
 
+DESCRIPTION = ("The AIS ETL transformer for WebDataset shards: 'serve' runs the service (the pod's entry "
+               "point); the other commands use its engine on local files.")
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="wds-transform", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="wds-transform", description=DESCRIPTION)
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the AIS ETL transformer service (the pod's entry point)")
@@ -252,6 +255,9 @@ def _inspect(args: argparse.Namespace) -> int:
         failure = exc.message
     finally:
         stream.close()
+    if failure is not None and not samples and not members:  # not a tar: nothing to summarize
+        print(f"error: {failure}", file=sys.stderr)
+        return 1
     print(f"{shard}: {samples} samples, {members} members")
     print("  members by extension: " + ", ".join(f"{e or '(none)'} x{n}" for e, n in sorted(extensions.items())))
     for description, count in sorted(arrays.items()):

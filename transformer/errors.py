@@ -84,6 +84,10 @@ class UpstreamError(TransformerError):
         self.transient = transient
 
 
+class InternalError(TransformerError):
+    """Something the transformer did not anticipate (a bug); its traceback is logged where it happened."""
+
+
 class Cancelled(TransformerError):
     """The caller went away; the work stops and nothing is reported to anyone."""
 

@@ -87,9 +87,11 @@ class NetworkNamespace:
 def check_prerequisites() -> None:
     missing = [tool for tool in ("ip", "unshare", "mount") if shutil.which(tool) is None
                and not Path(f"/usr/sbin/{tool}").exists() and not Path(f"/usr/bin/{tool}").exists()]
+    if shutil.which("openssl") is None:  # run from PATH by tests/tlscerts.py, for the fake API's TLS files
+        missing.append("openssl")
     if missing:
-        raise NamespaceUnavailable(
-            f"the real-ETL cluster needs {', '.join(missing)} (Debian: apt-get install iproute2 util-linux mount)")
+        raise NamespaceUnavailable(f"the real-ETL cluster needs {', '.join(missing)}, not found (Debian: "
+                                   "apt-get install iproute2 util-linux mount openssl)")
 
 
 def enter_network_namespace(addresses: list[str]) -> NetworkNamespace:

@@ -1,5 +1,5 @@
 """The loopback cluster itself: up, on 127.0.0.1, a mountpath under the run's folder; stopped without a trace;
-and without Go the tests fail saying how to get it."""
+and without Go the tests fail saying how to get it, without ``openssl`` the real-ETL tests fail naming it."""
 
 from __future__ import annotations
 
@@ -59,6 +59,21 @@ def test_without_go_they_fail_saying_how_to_get_it(tmp_path: Path) -> None:
     assert "1 error" in output and "skipped" not in output, output
     assert "https://go.dev/dl" in output and "pytest -m 'not ais'" in output, output
     assert not (tmp_path / "empty-cache" / "bin").exists()
+
+
+def test_without_openssl_the_real_etl_tests_fail_naming_it(aisnode: Path, tmp_path: Path) -> None:
+    """``ip``, ``unshare`` and ``mount`` are found in /usr/sbin and /usr/bin too; ``openssl`` (the fake
+    Kubernetes API's TLS files) only on PATH: a PATH without it fails the real-ETL tests, never skips them."""
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable), ais.BINARY_ENV: str(aisnode)}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", f"--basetemp={tmp_path / 'run'}",
+         "tests/ais/etl/test_register.py::test_stopped_etl_comes_back_with_the_same_spec"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "1 error" in output and "skipped" not in output, output
+    assert "the real-ETL cluster needs openssl, not found" in output, output
 
 
 def test_how_to_get_go_names_the_cache_and_the_alternatives(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

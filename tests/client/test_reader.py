@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import tarfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -157,7 +158,7 @@ def test_keys_split_as_webdataset_splits_them(name: str) -> None:
 def scattered(count: int, size: int, samples: int) -> tuple[list[list[int]], list]:
     """Samples 0, 1, ... through a ``_Batcher`` of ``count`` open batches, each one's array read into
     the row ``place`` gives (as the reader does): the batches' labels, and the batches."""
-    from transformer.client.loader import _Batcher
+    from transformer.client.batching import _Batcher
     from transformer.client.stream import generator_key
 
     batcher = _Batcher(size, ("npy", "cls"), "partial", count, generator_key("test"))
@@ -191,7 +192,7 @@ def test_open_batches_shuffle_without_copying_and_end_whole() -> None:
 
 
 def test_a_batch_array_is_reused_only_once_nothing_refers_to_it() -> None:
-    from transformer.client.loader import _Recycler
+    from transformer.client.batchmemory import _Recycler
 
     recycler = _Recycler(keep=2)
     array = np.zeros((4, 3), np.float32)
@@ -208,10 +209,17 @@ def test_a_batch_array_is_reused_only_once_nothing_refers_to_it() -> None:
     assert reused is not None and reused.shape == (4, 3) and recycler._take((4, 3), np.dtype(np.float32)) is None
 
 
+def received(storage: torch.UntypedStorage) -> torch.UntypedStorage:
+    """The main process's own mapping of a worker's shared-memory segment, as torch.multiprocessing
+    rebuilds a batch it receives: the worker's storage object is not the one the consumer gets."""
+    fd, size = storage._share_fd_cpu_()
+    return torch.UntypedStorage._new_shared_fd_cpu(fd, size)
+
+
 def _send_one_batch(flags: torch.Tensor, queue, done) -> None:
     """A DataLoader worker's part, in a process of its own: a batch written into a shared-memory slot of
     its own, sent to the main process (torch sends the segment, not a copy), kept until told to stop."""
-    from transformer.client.loader import _SharedSlots
+    from transformer.client.batchmemory import _SharedSlots
 
     slots = _SharedSlots(flags[1].numpy())
     slot, storage = slots.take(4 * 12)
@@ -226,7 +234,7 @@ def test_a_shared_slot_is_handed_back_only_once_nothing_refers_to_it() -> None:
     its slot at once. A worker's slots (_SharedSlots) take a free one again, the same segment."""
     import multiprocessing
 
-    from transformer.client.loader import _Lent, _SharedSlots
+    from transformer.client.batchmemory import _Lent, _SharedSlots
 
     flags = torch.zeros((2, 3), dtype=torch.int8).share_memory_()
     context = multiprocessing.get_context("fork")
@@ -262,6 +270,66 @@ def test_a_shared_slot_is_handed_back_only_once_nothing_refers_to_it() -> None:
     assert again == 0 and reused.data_ptr() == storage.data_ptr()  # the same segment, filled again
     assert slots.take(4 * 20)[0] == 2  # another size: the free slot gets a segment of its own
     assert slots.take(4 * 20)[0] == -1  # every slot held: a segment that is not kept
+
+
+@pytest.mark.parametrize("how", ["untyped_storage", "storage", "storage slice"])
+def test_a_shared_slot_whose_storage_object_is_kept_is_not_handed_back(how: str) -> None:
+    """The storage object a consumer gets from ``untyped_storage()`` (or inside ``storage()``) is the very
+    object _Lent holds, so torch's count of references reads as if _Lent alone held it: the slot stays
+    held until the consumer lets it go too."""
+    from transformer.client.batchmemory import _Lent, _SharedSlots
+
+    flags = torch.zeros((1, 2), dtype=torch.int8).share_memory_()
+    slots = _SharedSlots(flags[0].numpy())
+    slot, storage = slots.take(4 * 12)
+    images = torch.empty(0).set_(received(storage), 0, (4, 3))
+    del storage
+    lent = _Lent(flags)
+    lent.receive((images,), 0, ((0, slot),))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # storage(): TypedStorage is deprecated
+        kept = KEPT[how](images)
+    del images
+    lent.hand_back()
+    assert flags[0, slot] == 1
+    del kept
+    lent.hand_back()
+    assert flags[0, slot] == 0
+
+
+KEPT = {
+    "untyped_storage": lambda images: images.untyped_storage(),
+    "storage": lambda images: images.storage(),
+    "storage slice": lambda images: images.untyped_storage()[8:],
+    "view": lambda images: images[1:],
+    "numpy": lambda images: images.numpy(),
+    "dlpack": lambda images: torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(images)),
+}
+
+
+@pytest.mark.parametrize("how", KEPT)
+def test_memory_of_a_batch_kept_in_any_form_is_never_filled_again(tmp_path: Path, how: str) -> None:
+    """Whatever the consumer keeps of a batch from a worker (its storage alone, a view, a numpy array),
+    its bytes stay as they were while the rest of the epoch is read through the same few slots."""
+    urls = labelled_shards(tmp_path, 4, 30)
+    loader = make_loader(urls, 3, keys=("npy", "cls"), num_workers=2, shuffle_buffer=0, seed=1)
+    kept = before = None
+    for images, _ in loader:
+        if kept is None:
+            before = images.clone()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # storage(): TypedStorage is deprecated
+                kept = KEPT[how](images)
+        del images  # the consumer keeps only what KEPT took
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        after = KEPT[how](before)
+    if isinstance(kept, torch.TypedStorage):
+        kept, after = kept.untyped(), after.untyped()
+    if isinstance(kept, torch.UntypedStorage):
+        assert bytes(kept) == bytes(after)
+    else:
+        assert torch.equal(torch.as_tensor(kept), torch.as_tensor(after))
 
 
 def test_worker_batches_reuse_their_shared_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

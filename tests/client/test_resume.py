@@ -285,7 +285,7 @@ def test_other_urls_are_refused(local_state, tmp_path: Path) -> None:
 
 
 def test_the_endpoint_may_change_but_not_the_objects_or_etl_args() -> None:
-    from transformer.client.loader import urls_digest
+    from transformer.client.epoch import urls_digest
 
     a = ["http://proxy-1:8080/v1/objects/b/s.tar?provider=ais&etl_name=wds-etl"]
     assert urls_digest(a) == urls_digest(["https://proxy-2:51080/v1/objects/b/s.tar?provider=ais&etl_name=wds-etl"])

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import re
 import socket
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -13,9 +15,9 @@ import pytest
 
 from tests.shardgen import imagenet_like_members, jpeg_bytes, make_tar, read_tar
 
-from .conftest import AisDisk
+from .conftest import AisDisk, transformer_env
 from .fake_ais import FakeTarget
-from .harness import Service, args_query, fqn_query, uname
+from .harness import Service, args_query, fqn_query, free_port, uname
 from .outputs import (
     ERROR_MANIFEST,
     assert_transformed,
@@ -210,6 +212,67 @@ def test_hpush_error_mid_stream_under_fail_aborts_the_connection(client: httpx.C
         assert r.status_code == 200
         for _ in r.iter_raw():
             pass
+
+
+def test_a_sample_failing_mid_stream_is_logged_as_one_line_not_a_crash(service: Service,
+                                                                      client: httpx.Client) -> None:
+    """A documented outcome (a sample failing under on_error=fail after the body began: the response is
+    cut) is one log line naming the shard, the sample and the reason; no traceback, no "Exception in
+    ASGI application"."""
+    inputs, key = _shard_with_corrupt_sample(20, samples=24)
+    start = len(service.log_path.read_bytes())
+    query = args_query('{"on_error": "fail"}')
+    with pytest.raises(httpx.TransportError), client.stream("PUT", f"/train/logged.tar?{query}",
+                                                              content=make_tar(inputs)) as r:
+        assert r.status_code == 200
+        for _ in r.iter_raw():
+            pass
+    new = service.log_path.read_bytes()[start:].decode(errors="replace")  # written before the cut
+    lines = [line for line in new.splitlines() if line.strip()]
+    assert len(lines) == 1, new
+    assert "shard 'train/logged.tar'" in lines[0] and f"sample '{key}'" in lines[0], lines[0]
+    assert "not a decodable image" in lines[0], lines[0]
+
+
+# A real bug after the body began: the transformed shard's third chunk raises an exception nothing
+# anticipates. Its traceback stays in the log, and so does the server's record of the cut response.
+_BUGGY_SERVER = """
+import sys
+
+import transformer.server.jobs as jobs
+from transformer.cli import main
+
+transform_shard = jobs.transform_shard
+
+
+def buggy(*args, **kwargs):
+    for count, chunk in enumerate(transform_shard(*args, **kwargs)):
+        if count == 2:
+            raise KeyError("a planted bug")
+        yield chunk
+
+
+jobs.transform_shard = buggy
+sys.exit(main(["serve", "--host", "127.0.0.1", "--port", sys.argv[1]]))
+"""
+
+
+def test_a_bug_mid_stream_keeps_its_traceback(target: FakeTarget, disk: AisDisk, logs: Path) -> None:
+    port = free_port()
+    server = Service("transformer-buggy", [sys.executable, "-c", _BUGGY_SERVER, str(port)],
+                     transformer_env(target, disk), logs, port).wait_healthy(90)
+    try:
+        with pytest.raises(httpx.TransportError), httpx.stream(
+                "PUT", f"{server.url}/train/buggy.tar", content=make_tar(imagenet_like_members(24, extra=False)),
+                timeout=60) as r:
+            assert r.status_code == 200
+            for _ in r.iter_raw():
+                pass
+        log = server.log_path.read_text(errors="replace")
+        assert "shard train/buggy.tar: unexpected error" in log and "KeyError: 'a planted bug'" in log, log
+        assert "Exception in ASGI application" in log and "StreamAborted" in log, log
+    finally:
+        server.stop()
 
 
 def test_hpush_fqn_outside_the_allowed_roots_is_403(client: httpx.Client) -> None:

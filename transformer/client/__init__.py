@@ -6,17 +6,21 @@ only when a DALI pipeline is built.
 
 Modules: ``registration`` (EtlSettings, register/unregister, runtime spec YAML), ``urls`` (etl_args,
 shard and pod URLs), ``reading`` (whole shards: end marker checked, a cut one continued, ``.npy``
-read in one copy), ``stream`` (one resumable stream of samples), ``loader`` (make_loader,
-state_dict/load_state_dict), ``webloader`` (the webdataset way: ``web_loader``, ``etl_dataset``, a
-``wds.WebLoader`` over whole shards), ``prefetch`` (CudaPrefetcher), ``convert`` (folder datasets ->
-shards in a bucket), ``shuffle`` (dSort), ``offline`` (an ETL'd copy of a bucket, job errors, pod
-logs), ``download`` (links fetched and transformed by the pods, stored in a bucket), ``dali`` (external_source feeder).
+read in one copy), ``stream`` (one resumable stream of samples), ``epoch`` (an epoch's shard order,
+ErrorCounter), ``batchmemory`` (batch memory filled again once let go), ``batching`` (samples read
+into batch rows, the shuffle), ``resume`` (a loader's saved state and its checks), ``loader``
+(make_loader), ``webloader`` (the webdataset way: ``web_loader``, ``etl_dataset``, a
+``wds.WebLoader`` over whole shards), ``prefetch`` (CudaPrefetcher), ``convert`` (folder datasets
+-> shards in a bucket), ``shuffle`` (dSort), ``offline`` (an ETL'd copy of a bucket, job errors, pod
+logs), ``download`` (links fetched and transformed by the pods, stored in a bucket), ``dali``
+(external_source feeder).
 """
 
 from ..integrity import IncompleteShard
 from .convert import ConvertReport, convert
 from .dali import EtlBatchSource, read_etl_shards
 from .download import DownloadJob, download, wait_download
+from .epoch import ErrorCounter
 from .errors import (
     ClientError,
     ConvertError,
@@ -29,7 +33,7 @@ from .errors import (
     ShardFetchError,
     ShuffleError,
 )
-from .loader import ErrorCounter, EtlLoader, make_loader
+from .loader import EtlLoader, make_loader
 from .offline import (
     OfflineJob,
     OfflineOptionsMismatch,

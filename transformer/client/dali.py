@@ -25,18 +25,10 @@ from typing import Any
 
 import numpy as np
 
+from .epoch import ErrorCounter, epoch_urls, shard_order, urls_digest
 from .errors import LoaderStateError
-from .loader import (
-    DEFAULT_KEYS,
-    STATE_FORMAT,
-    ErrorCounter,
-    _count,
-    check_fingerprint,
-    check_state,
-    epoch_urls,
-    shard_order,
-    urls_digest,
-)
+from .loader import DEFAULT_KEYS
+from .resume import STATE_FORMAT, _count, check_fingerprint, check_state
 from .stream import SampleStream, ShardReader, StreamSpec, check_snapshot, generator_key, plain
 
 CYCLES = ("raise", "quiet")

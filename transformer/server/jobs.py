@@ -19,7 +19,7 @@ import httpx
 
 from ..config import Settings
 from ..engine import ShardReport, TransformPool, Write, transform_shard
-from ..errors import Cancelled, TransformerError, UpstreamError
+from ..errors import Cancelled, InternalError, TransformerError, UpstreamError
 from ..options import TransformOptions
 from .duplex import duplex_put
 from .hops import (
@@ -102,7 +102,7 @@ class ShardJob:
             output.fail(exc)
         except Exception as exc:  # a bug: report it as a 500 with the reason, keep serving
             log.exception("shard %s: unexpected error", self.request.shard)
-            output.fail(TransformerError(f"shard '{self.request.shard}': internal error: {exc!r}"))
+            output.fail(InternalError(f"shard '{self.request.shard}': internal error: {exc!r}"))
         finally:
             output.close()
             if self.report.first_byte is not None and not isinstance(hop, DirectPutTarget):

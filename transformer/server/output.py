@@ -51,7 +51,7 @@ from uvicorn.protocols.utils import ClientDisconnected
 from websockets.exceptions import InvalidState
 
 from ..engine import Write
-from ..errors import Cancelled, TransformerError, UpstreamError
+from ..errors import Cancelled, InternalError, TransformerError, UpstreamError
 from ..redact import redact_bytes
 from .protocols import FragmentingWebSocketProtocol, encrypted
 
@@ -101,7 +101,31 @@ END = End()
 
 
 class StreamAborted(Exception):
-    """Raised out of the ASGI app so the server drops the connection mid-body (on purpose)."""
+    """Raised out of the ASGI app so the server drops the connection mid-body (on purpose).
+
+    ``foreseen``: the failure is one the service answers this way by design (a ``TransformerError``:
+    a sample under ``on_error=fail``, the rest of the shard unreadable, the object timeout, the caller
+    gone), which its job logged as one line; the server's record of the exception, a traceback under
+    "Exception in ASGI application", is then left out (``ForeseenAbortFilter``). A bug keeps it.
+    """
+
+    def __init__(self, message: str, foreseen: bool = False):
+        super().__init__(message)
+        self.foreseen = foreseen
+
+
+class ForeseenAbortFilter(logging.Filter):
+    """Leaves out the ASGI server's record of a foreseen ``StreamAborted`` (on uvicorn's error logger)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(error, StreamAborted) and error.foreseen)
+
+
+def quiet_foreseen_aborts(logger: logging.Logger) -> None:
+    """``ForeseenAbortFilter`` on ``logger``, once."""
+    if not any(isinstance(f, ForeseenAbortFilter) for f in logger.filters):
+        logger.addFilter(ForeseenAbortFilter())
 
 
 # ------------------------------------------------------------------------------------------ output
@@ -304,8 +328,9 @@ async def respond_http(output: Output, send: Callable, transport: asyncio.Transp
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
             case Failure(error=error):
+                foreseen = isinstance(error, TransformerError) and not isinstance(error, InternalError)
                 raise StreamAborted(f"aborting the response of shard '{output.shard}' after "
-                                    f"{output.bytes_written} bytes: {error}") from error
+                                    f"{output.bytes_written} bytes: {error}", foreseen) from error
             case Final():
                 raise StreamAborted(f"shard '{output.shard}': a complete answer after the body began")
         if first:

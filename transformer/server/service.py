@@ -31,7 +31,7 @@ from ..redact import install_logging, redact
 from .hops import HEADER_NODE_URL, parse_node_url
 from .jobs import Runtime, ShardJob, ShardRequest
 from .metrics import Metrics
-from .output import Final, Output, WsReply, respond_http, send_ws_frame
+from .output import Final, Output, WsReply, quiet_foreseen_aborts, respond_http, send_ws_frame
 from .protocols import FragmentingWebSocketProtocol, fragmenter_of, transport_of
 from .sources import BodySource, BytesSource, HttpSource, Source, fqn_source, shard_too_large, watch_disconnect
 
@@ -42,6 +42,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings.from_env()
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_logging(settings.ais_target_url)  # the ETL secret is masked in every log line and error body
+    # A response cut by a foreseen failure is the job's one log line, not uvicorn's traceback as well.
+    quiet_foreseen_aborts(logging.getLogger("uvicorn.error"))
     state: dict[str, Runtime] = {}
 
     @contextlib.asynccontextmanager

@@ -154,9 +154,16 @@ def test_troubleshooting_a_bad_setting_names_it_then_rm_and_init(deployed, etl_c
 
 
 def test_troubleshooting_an_aborted_etl(deployed, etl_client, etl_cluster: EtlCluster) -> None:
-    """The Aborted row: show errors and view-logs answer not found; the job says why; start brings it back."""
+    """The Aborted row: show errors and view-logs answer not found; the job says why; start brings it back,
+    as a new run that has recorded no error yet."""
     from aistore.sdk.errors import AISError
+    from aistore.sdk.etl import ETLConfig
 
+    with pytest.raises(AISError) as missing:  # an inline read of no object: an error of this run
+        etl_client.bucket("shards").object("no-such-shard.tar").get_reader(etl=ETLConfig(ETL)).read_all()
+    assert missing.value.status_code == 404, missing.value
+    recorded = [(e.obj_name, e.msg) for e in etl_client.etl(ETL).view().obj_errors or []]
+    assert ("ais://shards/no-such-shard.tar", "object not found") in recorded, recorded
     job = next(info.xaction_id for info in etl_client.cluster().list_etls() if info.id == ETL)
     etl_cluster.kube.oom_kill(running_pods(etl_cluster, ETL)[0])
     wait_stage(etl_client, ETL, "Aborted")
@@ -170,4 +177,5 @@ def test_troubleshooting_an_aborted_etl(deployed, etl_client, etl_cluster: EtlCl
     assert "OOMKilled" in reasons and "exitCode: 137" in reasons, reasons
     etl_client.etl(ETL).start()  # ais etl start wds-transform
     assert stage(etl_client, ETL) == "Running" and len(running_pods(etl_cluster, ETL)) == 2
-    assert etl_client.etl(ETL).view().obj_errors is not None or True
+    details = etl_client.etl(ETL).view()  # ais etl show errors wds-transform: answers again
+    assert details.init_msg.name == ETL and not details.obj_errors, details.obj_errors
