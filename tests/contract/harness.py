@@ -90,7 +90,8 @@ class Service:
         raise RuntimeError(f"{self.name} not healthy within {timeout}s:\n{self.log_tail()}")
 
     def log_tail(self, chars: int = 4000) -> str:
-        self._log.flush()
+        if not self._log.closed:  # stopped: already flushed (a start that timed out reports its log after stop)
+            self._log.flush()
         return self.log_path.read_text(errors="replace")[-chars:]
 
     def stop(self) -> None:
