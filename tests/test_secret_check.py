@@ -67,8 +67,8 @@ def test_planted_is_found_on_a_copy_and_leaves_the_log_alone(tmp_path: Path) -> 
 @pytest.mark.parametrize(("level", "lines", "gap"), [
     ("info", [CLEAN[2]], "used the secret at ETL_LOG_LEVEL=info, not debug"),
     ("debug", [CLEAN[0], CLEAN[2]], "runs at debug but logged no DEBUG line"),
-    ("debug", [CLEAN[0], CLEAN[1]], "no pod used the secret at DEBUG"),
-], ids=["not-debug", "no-debug-line", "secret-never-used"])
+    ("debug", [CLEAN[0], CLEAN[1], CLEAN[3]], "pods served objects, none used the secret at DEBUG"),
+], ids=["not-debug", "no-debug-line", "served-without-the-secret"])
 def test_a_log_that_proves_little_is_a_failure(tmp_path: Path, level: str, lines: list[str], gap: str) -> None:
     log = pod_log(tmp_path, lines, level)
     assert any(gap in line for line in debug_gaps([log])), debug_gaps([log])
@@ -76,9 +76,15 @@ def test_a_log_that_proves_little_is_a_failure(tmp_path: Path, level: str, lines
         check_last([log], [])
 
 
-def test_an_etl_whose_pods_never_used_the_secret_is_a_failure(tmp_path: Path) -> None:
-    assert debug_gaps([pod_log(tmp_path, CLEAN)], ["etl-x", "etl-ws"]) == [
-        "no pod of etl-ws used the secret at DEBUG (no masked ETL object URL in a DEBUG log)"]
+def test_an_etl_whose_pods_served_objects_without_the_secret_is_a_failure(tmp_path: Path) -> None:
+    ws = PodLog("etl-ws-abcde", pod_log(tmp_path / "ws", [CLEAN[1], CLEAN[3]]).path, TARGET_URL, "debug", "etl-ws")
+    assert debug_gaps([pod_log(tmp_path / "x", CLEAN), ws], ["etl-x", "etl-ws"]) == [
+        "pods of etl-ws served objects, none used the secret at DEBUG (no masked ETL object URL in a DEBUG log)"]
+
+
+def test_pods_that_served_nothing_prove_nothing_and_need_nothing(tmp_path: Path) -> None:
+    idle = pod_log(tmp_path, [CLEAN[0], '... "GET /health HTTP/1.1" 200 OK'])
+    assert debug_gaps([idle], ["etl-x"]) == []
 
 
 def test_an_etl_registered_as_a_user_would_may_log_at_info(tmp_path: Path) -> None:
@@ -152,7 +158,6 @@ def test_error_bodies_are_recorded_wherever_the_tests_receive_them(tmp_path: Pat
         with connect(f"ws://127.0.0.1:{server.socket.getsockname()[1]}") as ws:
             ws.send("x")
             ws.recv(timeout=10)
-        server.shutdown()
     sources = [body.source for body in recorder.bodies]
     assert len(sources) == 5 and not any("/ok" in source for source in sources), sources
     found = leaks([pod_log(tmp_path, CLEAN)], recorder.bodies)
