@@ -6,7 +6,7 @@ right after a request reads only what was logged by then; this one runs when a p
 and reads each pod's whole log file (deleted pods too) and every error body kept by ``BodyRecorder``,
 for each pod's raw secret and its full ``AIS_TARGET_URL``. A log that was never written at DEBUG
 proves little, so ``check_last`` also requires DEBUG lines in every pod that used the secret (its log
-holds a masked ETL object URL) and, where asked, a pod of each given ETL that used it.
+holds a masked ETL object URL) and, of pods that served objects (for each ETL asked for), one that used it.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 the tests received (``tests/secret_check.py``), after every test ran and the cluster stopped.
 
 Every pod that ever ran counts, deleted ones too (``kube.started``, each log read from the pod's folder,
-process and container pods alike). The package's shared ETLs (``etls``) must each have a pod that used
-the secret at DEBUG; the README's ETL, registered with its spec as a user would, logs at INFO.
+process and container pods alike). Each of the package's shared ETLs (``etls``) whose pods served objects
+must have a pod that used the secret at DEBUG; the README's ETL, registered with its spec as a user
+would, logs at INFO.
 """
 
 from __future__ import annotations
