@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 from urllib.parse import urlencode
 
 import httpx
@@ -52,15 +53,27 @@ def escaped_uname(bucket: str, name: str) -> str:
 
 
 class Service:
-    """A server process on 127.0.0.1:<port>; ``stop()`` ends exactly the process it started."""
+    """A server process on 127.0.0.1:<port>; ``stop()`` ends exactly the process it started.
+
+    Each keeps its own log file (``<name>.log``, then ``<name>-2.log``, ...: a later one never overwrites
+    an earlier one's), and ``Service.started`` lists every one made, stopped ones too, for checks at the end.
+    """
+
+    started: ClassVar[list[Service]] = []
 
     def __init__(self, name: str, command: list[str], env: dict[str, str], log_dir: Path, port: int):
         self.name = name
         self.port = port
+        self.env = env
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_dir / f"{name}.log"
+        copies = 1
+        while self.log_path.exists():
+            copies += 1
+            self.log_path = log_dir / f"{name}-{copies}.log"
         self._log = open(self.log_path, "wb")  # closed in stop()
         self.process = subprocess.Popen(command, env=env, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+        Service.started.append(self)
 
     def wait_healthy(self, timeout: float) -> Service:
         deadline = time.monotonic() + timeout
@@ -77,7 +90,8 @@ class Service:
         raise RuntimeError(f"{self.name} not healthy within {timeout}s:\n{self.log_tail()}")
 
     def log_tail(self, chars: int = 4000) -> str:
-        self._log.flush()
+        if not self._log.closed:  # stopped: already flushed (a start that timed out reports its log after stop)
+            self._log.flush()
         return self.log_path.read_text(errors="replace")[-chars:]
 
     def stop(self) -> None:

@@ -3,7 +3,9 @@
 The service is ``python -m transformer serve`` in a subprocess on 127.0.0.1 (the contract suite's
 harness), with small size limits and a short object timeout so that every limit and fault is cheap
 to reach. After each test the service must still answer ``/health``: no input may take it down.
-The fakes (AIS target, next stage) are the contract suite's, reused by import.
+The fakes (AIS target, next stage) are the contract suite's, reused by import. Every service logs at
+DEBUG; when the package's tests are done, no line of any service's whole log and no error body the
+tests received holds the ETL secret (``tests/secret_check.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from tests.contract.fake_ais import FakeStage, FakeTarget, Recorded
 from tests.contract.harness import Service, base_env, start_transformer
+from tests.secret_check import BodyRecorder, PodLog, check_last
 
 ETL_NAME = "wds-etl"
 SECRET = "Rel1ab1eXy"
@@ -86,7 +89,7 @@ def service_env(target: FakeTarget, disk: AisDisk, **overrides: str) -> dict[str
         "ETL_PRESET": "imagenet-val",
         "ETL_MAX_MEMBER_BYTES": str(MAX_MEMBER_BYTES),
         "ETL_MAX_SHARD_BYTES": str(MAX_SHARD_BYTES),
-        "ETL_LOG_LEVEL": "warning",
+        "ETL_LOG_LEVEL": "debug",
     }
     env.update(overrides)
     return base_env(**env)
@@ -128,6 +131,20 @@ def disk(tmp_path_factory: pytest.TempPathFactory) -> AisDisk:
 @pytest.fixture(scope="session")
 def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("reliability-logs")
+
+
+@pytest.fixture(scope="package", autouse=True)
+def secret_checked_last(logs: Path) -> Iterator[BodyRecorder]:
+    """Records the error bodies the tests receive; once every test of the package ran, checks them and every
+    line of every service's whole log (all services started on ``logs``, stopped ones too) for the secret."""
+    recorder = BodyRecorder().install()
+    try:
+        yield recorder
+    finally:
+        recorder.uninstall()
+    services = [PodLog(s.name, s.log_path, s.env.get("AIS_TARGET_URL", ""), s.env.get("ETL_LOG_LEVEL", "info"))
+                for s in Service.started if s.log_path.parent == logs]
+    check_last(services, recorder.bodies)
 
 
 @pytest.fixture(scope="session")

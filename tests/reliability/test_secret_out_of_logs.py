@@ -8,7 +8,8 @@ that puts the secret in a URL is driven, failures included: the chunked-object s
 the hpull fetch, the direct put, pipeline hops, ws, ``/download``, a fetch cut after the response
 began (a traceback from uvicorn), a target that is down (httpx exceptions). After each, the log lines
 it wrote and every answer must hold neither the secret nor the full ``AIS_TARGET_URL``, while the
-masked URL shows the lines were there to check.
+masked URL shows the lines were there to check. Lines written later (threads still finishing, the
+shutdown) are read by the package's last check (``secret_checked_last``): every service's whole log.
 """
 
 from __future__ import annotations

@@ -28,6 +28,8 @@ from tests.ais.pods import PodRuntimeUnavailable
 from tests.shardgen import imagenet_like_members, make_tar
 from transformer.client import EtlSettings, register, unregister
 
+from .secret_last import _secret_watches_the_cluster, secret_checked_last  # noqa: F401 (the secret, checked last)
+
 IMAGE = "ais-wds-transformer:test"  # process pods: wds-transform serve; container pods: the built image (pods.py)
 
 
@@ -78,7 +80,8 @@ def etl_client(etl_cluster: EtlCluster):
 
 
 def settings(comm_type: str = "hpush", **kwargs) -> EtlSettings:
-    """A small, quick ETL: uint8, one transform thread, seeded, short timeouts."""
+    """A small, quick ETL: uint8, one transform thread, seeded, short timeouts, logging at DEBUG."""
+    kwargs["env"] = {"ETL_LOG_LEVEL": "debug", **kwargs.get("env", {})}
     kwargs.setdefault("dtype", "uint8")
     kwargs.setdefault("seed", 7)
     kwargs.setdefault("workers", 1)
