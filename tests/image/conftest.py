@@ -26,11 +26,16 @@ from tests.ais.pods import LABEL, ContainerRuntime, PodRuntimeUnavailable, podma
 PORT = 8000  # what AIS connects to; nothing else listens in the test's namespace
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marked ``image``, and left out of any run whose ``-m`` does not name ``image`` (``make test``,
+    ``pytest -m 'not ais'``): they need root, podman and the built image."""
     here = Path(__file__).parent
-    for item in items:
-        if here in Path(str(item.path)).parents:
-            item.add_marker(pytest.mark.image)
+    mine = [item for item in items if here in Path(str(item.path)).parents]
+    for item in mine:
+        item.add_marker(pytest.mark.image)
+    if mine and "image" not in (config.option.markexpr or ""):
+        config.hook.pytest_deselected(items=mine)
+        items[:] = [item for item in items if item not in mine]
 
 
 @pytest.fixture(scope="package")
