@@ -363,6 +363,8 @@ class Soak:
         self.failures: list[str] = []  # a worker that died: the soak cannot be trusted
         self.exited: dict[str, str] = {}  # aisnode processes that exited, and why
         self.etl_lock = threading.Lock()
+        self.warmed = threading.Event()
+        self.setup_s = 0.0
         self.kinds: list[Kind] = []
         self.references: dict[str, list[bytes]] = {}  # kind -> the digests of its samples
         self.urls: dict[tuple[str, str], str] = {}  # (comm, kind) -> URL
@@ -584,7 +586,10 @@ class Soak:
         rng = random.Random(f"{self.options.seed}-kills")
         order = list(self.etls.values())
         try:
-            if self.gate.wait(max(0.0, self.options.warm_up + self.options.settle + 5 - self._elapsed())):
+            while not self.warmed.is_set():  # the first kill comes after the warm-up's quiet point
+                if self.gate.wait(0.2):
+                    return
+            if self.gate.wait(2.0):
                 return
             turn = 0
             while True:
@@ -676,6 +681,7 @@ class Soak:
             with open(self.folder / "quiet-sockets.txt", "a") as out:
                 out.write(f"--- {self._elapsed():.0f} s ({label})\n" + "".join(
                     line + "\n" for line in sockets.splitlines() if "aisnode" in line or "python" in line))
+        self.warmed.set()
         self.quiet.append({"t": time.monotonic(), "label": label, "drained": drained, "hold_s": round(held, 1),
                            "processes": readings})
         self.progress(f"{self._elapsed():6.0f} s: quiet point ({label}) after {held:.0f} s of draining")
@@ -714,7 +720,9 @@ class Soak:
         from bench.soak_report import build_report
 
         options = self.options
+        started = time.monotonic()
         self.setup()
+        self.setup_s = time.monotonic() - started
         self.prober = HealthProber(self.folder)
         for etl in self.etls.values():
             self.prober.set_pods(etl, self.cluster.kube.running_pods(etl))

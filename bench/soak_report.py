@@ -191,6 +191,7 @@ def build_report(soak, probes, loadavg_start: tuple[float, float, float]) -> dic
                     "loadavg_1min_median": percentile([x[1] for x in load], 50)},
         "options": {**asdict(options), "comms": list(options.comms)},
         "etls": soak.etls,
+        "setup_s": round(soak.setup_s, 1),
         "elapsed_s": round(time.monotonic() - soak.t0, 1),
         "samples": {k: reads[k] for k in ("delivered", "lost", "wrong", "withheld_named")},
         "reads": {k: v for k, v in reads.items() if k not in ("delivered", "lost", "wrong", "withheld_named")},
