@@ -11,6 +11,9 @@ ws with an ``fqn`` control message, one connection per request):
 * the service's RSS, threads and open file descriptors are sampled from ``/proc`` every second;
   threads and fds are compared idle-before vs idle-after, RSS after warm-up vs at the end.
 
+``--through-ais`` runs the soak through a real AIS instead, pods killed as it runs (``bench/soak_ais.py``;
+``python -m bench.soak --through-ais --help`` lists its options).
+
 Exit status 0 only when every criterion holds (no lost or wrong answer, health p99 < 100 ms, RSS
 growth after warm-up under the bound, no leaked threads or fds). The report (``--out``, JSON) holds
 every figure; the CI runs a 10-second smoke of this (tests/reliability/test_soak_smoke.py).
@@ -485,7 +488,15 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--through-ais" in argv:
+        from bench.soak_ais import main as through_ais
+
+        return through_ais([arg for arg in argv if arg != "--through-ais"])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--through-ais", action="store_true",
+                        help="soak through a real AIS, pods killed as it runs (bench/soak_ais.py: "
+                             "--through-ais --help lists its options)")
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
     parser.add_argument("--concurrency", type=int, default=16, help="shard requests in flight (default 16)")
     parser.add_argument("--samples", type=int, default=8, help="samples per good shard (default 8)")

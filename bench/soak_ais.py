@@ -1,0 +1,843 @@
+"""A soak through a real AIS, pods killed as it runs: ``python -m bench.soak --through-ais --duration 1800``.
+
+The path training jobs depend on, for hours: reader -> AIS proxy -> target -> ETL pod -> reader, on
+the tests' real cluster (``tests/ais/etl_cluster.py``: a proxy and two targets in Kubernetes mode,
+each ETL pod run by the fake kubelet; in a network namespace of this process, so root or an
+unprivileged user namespace). The soak registers ETLs of its own, one per communication type
+(imagenet-train, uint8, seeded), and for ``--duration`` seconds:
+
+* inline readers read through each ETL with the client's reader (``whole_shard_samples``: the end
+  marker checked, a cut read fetched again and continued). Per ETL, ``--readers`` plain readers (the
+  client's defaults: an ETL that is down is an error at once) and as many patient ones (they wait
+  for the ETL to come back, up to ``--patience`` seconds, as a loader with long retries would).
+  They read good shards in two epochs and hostile shards (``tests/reliability/inputs.py``: broken
+  images, decompression bombs, odd member names, gzip, cut tars, not a tar, a sample failing under
+  ``on_error=fail``);
+* offline copies of the good shards (``transform_bucket``, through the hpush ETL, or the first one);
+* every ``--kill-every`` seconds one pod of the next ETL in turn is killed (``kube.kill``: SIGKILL, as
+  a node losing it); AIS aborts that ETL on every target, and the soak starts it again as an
+  operator would (``Etl.start``).
+
+Every sample delivered is compared with a reference: the first clean read of each shard (seeded ETLs
+give the same bytes for the same seed, epoch, object and key; the communication types agree; an
+offline copy equals an inline read without ``etl_args``). A read either delivers every sample of
+its reference, or ends in an error that names the shard. Samples short of a shard without such an
+error are *lost*; a sample unlike its reference is *wrong*.
+
+Every ``--quiet-every`` seconds (and after warm-up, and at the end) the load is held: every reader
+finishes its shard and waits, the offline copy and a kill in progress end, the stage polls pause, the
+soak closes its own idle connections, and after ``--settle`` seconds RSS, threads and fds of each
+aisnode and pod are read. Those idle readings are what the bounds compare (see ``Bounds``);
+``bench/soak_watch.py`` has the stage, ``/health`` and ``/proc`` watchers, ``bench/soak_report.py``
+the figures, table and plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import hashlib
+import io
+import logging
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # ``python bench/soak_ais.py`` as well as ``python -m bench.soak``
+    sys.path.insert(0, str(REPO_ROOT))
+
+from bench.soak_watch import HealthProber, ProcessSampler, StageWatch, etl_stages  # noqa: E402
+
+COMMS = ("hpush", "hpull", "ws")
+SEED = 11
+EPOCHS = (0, 1)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What the soak must hold, fixed before it runs; ``report.criteria`` checks each.
+
+    * ``/health`` p99 under ``health_p99_ms`` over every probe of a pod whose ETL is up (a probe that
+      overlaps the time from a kill until AIS reports the ETL ``Running`` again is left out), and no
+      probe of such a pod failing;
+    * RSS growth under ``rss_growth_mb``, idle to idle: for an aisnode, from the quiet point after
+      warm-up to the last one; for a pod, from its first quiet point (once it has been up for the
+      warm-up) to its last;
+    * threads and fds *flat*: at every later quiet point, a process has at most ``thread_slack``
+      threads and ``fd_slack`` fds more than at that first one (a leak of one per shard, per read or
+      per kill grows past them within minutes; Go starts a thread for each blocked system call and
+      keeps it, so aisnode may gain a few and then stay).
+    """
+
+    health_p99_ms: float = 100.0
+    rss_growth_mb: float = 50.0
+    thread_slack: int = 4
+    fd_slack: int = 4
+
+
+@dataclass
+class Options:
+    duration: float = 1800.0
+    kill_every: float = 120.0
+    quiet_every: float = 120.0
+    warm_up: float = 120.0
+    settle: float = 8.0  # AIS closes idle keep-alive connections to the pods after 6 s
+    shards: int = 12
+    samples: int = 8
+    readers: int = 1  # plain readers per ETL; as many patient ones
+    patience: float = 180.0
+    offline_every: float = 20.0
+    guard_offline: bool = True  # start offline copies only while the ETL is Running (see Soak._offline_turn)
+    comms: tuple[str, ...] = COMMS
+    prefix: str = "soak"
+    seed: int = 1
+    bounds: Bounds = field(default_factory=Bounds)
+
+
+# ----------------------------------------------------------------------------------------------- workload
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of read: an object read with ``args``.
+
+    ``refused``: every read must end in an error naming the shard; the samples it delivers before that
+    must be the first samples of the whole read ``like`` names (a bucket, ``"src"`` or ``"ref"``, and
+    its args), or none at all when ``like`` is None.
+    """
+
+    name: str
+    object: str
+    args: dict | None
+    refused: bool = False
+    weight: int = 1
+    like: tuple[str, dict | None] | None = None
+
+
+def good_name(index: int) -> str:
+    return f"good-{index:03d}.tar"
+
+
+@dataclass(frozen=True)
+class Hostile:
+    """A hostile shard: its bytes, whether the pod refuses it, and the whole shard it was cut from."""
+
+    data: bytes
+    refused: bool = False
+    whole: bytes | None = None
+
+
+def hostile_shards(samples: int) -> dict[str, Hostile]:
+    """Object name -> hostile shard, from the reliability tests' hostile inputs."""
+    import tarfile
+
+    from tests.reliability.inputs import (
+        cut_inside_header,
+        cut_inside_member,
+        garbage_jpeg,
+        good_members,
+        gzip_tar,
+        jpeg_bomb,
+        long_name_tar,
+        png_bomb,
+        truncated_jpeg,
+    )
+    from tests.shardgen import make_tar
+
+    good = good_members(samples)
+    broken = good[:2] + [("s09001.jpg", truncated_jpeg()), ("s09002.jpg", garbage_jpeg()),
+                         ("s09003.png", png_bomb()), ("s09004.jpg", jpeg_bomb()), ("s09005.jpg", b"")] + good[2:]
+    whole = make_tar(good)
+    names = make_tar(good[:2])[:-1024]  # the end-of-archive blocks come after the odd names
+    for member in (long_name_tar(tarfile.GNU_FORMAT, "gnu/" + "n" * 150 + ".cls", b"1"),
+                   long_name_tar(tarfile.PAX_FORMAT, "pax/" + "\u00e9" * 120 + ".cls", b"2"),
+                   long_name_tar(tarfile.USTAR_FORMAT, "../up.cls", b"3"),
+                   long_name_tar(tarfile.USTAR_FORMAT, "dots.in.key.x.cls", b"4")):
+        names += member[:-1024]
+    names += b"\0" * 1024
+    return {
+        "hostile-broken-images.tar": Hostile(make_tar(broken)),  # each bad sample skipped, listed in errors.json
+        "hostile-gzip.tar": Hostile(gzip_tar(good)),
+        "hostile-odd-names.tar": Hostile(names),
+        "hostile-not-a-tar.tar": Hostile(b"definitely not a tar\n" * 64, refused=True),
+        "hostile-cut-header.tar": Hostile(cut_inside_header(whole, 2 * samples - 3), refused=True, whole=whole),
+        "hostile-cut-member.tar": Hostile(cut_inside_member(whole, 2 * samples - 3), refused=True, whole=whole),
+    }
+
+
+def kinds(options: Options, hostile: dict[str, Hostile]) -> list[Kind]:
+    """Good shards in each epoch (weighted so that about four reads in five are good), hostile shards,
+    and a shard whose broken sample fails it under ``on_error=fail``."""
+    args = {"seed": SEED}
+    weight = max(1, options.shards // 2)
+    out = [Kind(f"{good_name(i)}@{epoch}", good_name(i), {"seed": SEED, "epoch": epoch}, weight=4)
+           for i in range(options.shards) for epoch in EPOCHS]
+    out += [Kind(name, name, args, refused=shard.refused, weight=weight, like=("ref", args) if shard.whole else None)
+            for name, shard in hostile.items()]
+    out.append(Kind("hostile-broken-images.tar@fail", "hostile-broken-images.tar", {**args, "on_error": "fail"},
+                    refused=True, weight=weight, like=("src", args)))
+    return out
+
+
+def offline_kind(index: int) -> Kind:
+    """What an offline copy of a good shard must equal: the ETL's output without ``etl_args``."""
+    return Kind(f"{good_name(index)}@offline", good_name(index), None)
+
+
+def etl_down(error, etl: str) -> bool:
+    """Whether a ``ShardFetchError`` says the ETL is down rather than the shard refused.
+
+    What AIS 5.0 answers: between a pod's death and the abort, 400 with the Go error of its call to the
+    pod ("dial tcp ...: connect: connection refused"), or for hpull, whose reader is sent to the pod
+    itself, no answer; 404 "<etl> does not exist" once the ETL is aborted; while it starts again, a
+    dropped connection (hpush, ws) or, for hpull, a redirect back to the target that answers 400 "trying
+    to execute "easy URL" via AIS target?" (the pod's address is not known yet); a 5xx while a target
+    is busy with it.
+    """
+    if error.status is None or error.status >= 500:
+        return True
+    if error.status == 404:
+        return f"{etl} does not exist" in error.reason
+    return error.status == 400 and any(text in error.reason for text in _ETL_GOING)
+
+
+_ETL_GOING = ("connect: connection refused", "connection reset by peer", "dial tcp",
+              "via AIS target? (hint: use proxy)")
+
+
+def digest(sample: dict) -> bytes:
+    """A sample's key and members (name and bytes), hashed: what two deliveries of it must share."""
+    h = hashlib.blake2b(sample["__key__"].encode(), digest_size=16)
+    for extension in sorted(k for k in sample if not k.startswith("__")):
+        h.update(b"\0" + extension.encode() + b"\0" + len(sample[extension]).to_bytes(8, "little"))
+        h.update(sample[extension])
+    return h.digest()
+
+
+# --------------------------------------------------------------------------------------------- outcomes
+
+
+@dataclass
+class Read:
+    """One read of a shard by one reader: what it delivered, and how it ended."""
+
+    comm: str
+    reader: str  # "plain" or "patient"
+    kind: str
+    start: float
+    end: float = 0.0
+    expected: int = 0  # samples of the reference (0 for a refused shard: it has no whole read)
+    delivered: int = 0
+    wrong: int = 0
+    opens: int = 0  # requests made for it: more than one after a cut or while its ETL was down
+    error: str | None = None
+    named: bool = False  # the error names the shard
+    refused: bool = False
+
+
+@dataclass
+class OfflineCopy:
+    """One offline copy of the good shards and what the destination held afterwards."""
+
+    start: float
+    end: float = 0.0
+    job: str = ""
+    outcome: str = ""  # "success", "failed" (AIS's job status) or "raised" (transform_bucket raised)
+    error: str = ""
+    object_errors: list[str] = field(default_factory=list)
+    whole: int = 0  # stored, equal to the reference
+    wrong: list[str] = field(default_factory=list)  # stored whole but unlike the reference
+    cut: list[str] = field(default_factory=list)  # stored without a valid end marker
+    missing: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)  # missing or cut, and neither the job nor an error said so
+
+
+@dataclass
+class Kill:
+    """One pod killed and its ETL brought back: times are seconds after the kill."""
+
+    etl: str
+    pod: str
+    at: float
+    aborted_s: float | None = None  # AIS lists the ETL as Aborted
+    pods_gone_s: float | None = None  # AIS deleted every pod of it
+    running_s: float | None = None  # started again, Running, one pod per target
+    start_errors: list[str] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def recovered(self) -> bool:
+        return self.running_s is not None
+
+    @property
+    def window(self) -> tuple[float, float]:
+        """From the kill until the ETL was Running again (open-ended if it never was)."""
+        return self.at, self.at + (self.running_s if self.running_s is not None else 1e9)
+
+
+# ------------------------------------------------------------------------------------------------- gate
+
+
+class Gate:
+    """Lets the workers run, or holds each at its next item so that the processes can be read idle."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._open = True
+        self._busy = 0
+        self.stopped = False
+
+    @contextlib.contextmanager
+    def item(self):
+        """Wait until the gate is open; yields False once the soak is over."""
+        with self._cond:
+            while not self._open and not self.stopped:
+                self._cond.wait()
+            if self.stopped:
+                yield False
+                return
+            self._busy += 1
+        try:
+            yield True
+        finally:
+            with self._cond:
+                self._busy -= 1
+                self._cond.notify_all()
+
+    def hold(self, timeout: float) -> bool:
+        """Close the gate and wait until no item runs; False if one still ran after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._open = False
+            while self._busy and time.monotonic() < deadline:
+                self._cond.wait(timeout=max(0.01, deadline - time.monotonic()))
+            return not self._busy
+
+    def release(self) -> None:
+        with self._cond:
+            self._open = True
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        with self._cond:
+            self.stopped = True
+            self._cond.notify_all()
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``; True once the soak is over."""
+        deadline = time.monotonic() + seconds
+        with self._cond:
+            while not self.stopped and time.monotonic() < deadline:
+                self._cond.wait(timeout=deadline - time.monotonic())
+            return self.stopped
+
+
+# ------------------------------------------------------------------------------------------------- soak
+
+
+class Soak:
+    """The soak on ``cluster`` (an ``EtlCluster``) through ``client``; ``run()`` returns its report."""
+
+    def __init__(self, cluster, client, options: Options, folder: Path, progress=print):
+        self.cluster, self.client, self.options, self.folder = cluster, client, options, folder
+        self.progress = progress
+        self.etls = {comm: f"{options.prefix}-{comm}" for comm in options.comms}
+        self.offline_etl = self.etls.get("hpush", next(iter(self.etls.values())))
+        self.bucket = f"{options.prefix}-src"
+        self.ref_bucket = f"{options.prefix}-ref"
+        self.gate = Gate()
+        self.lock = threading.Lock()
+        self.reads: list[Read] = []
+        self.copies: list[OfflineCopy] = []
+        self.kills: list[Kill] = []
+        self.quiet: list[dict] = []
+        self.failures: list[str] = []  # a worker that died: the soak cannot be trusted
+        self.exited: dict[str, str] = {}  # aisnode processes that exited, and why
+        self.etl_lock = threading.Lock()
+        self.warmed = threading.Event()
+        self.setup_s = 0.0
+        self.kinds: list[Kind] = []
+        self.references: dict[str, list[bytes]] = {}  # kind -> the digests of its samples
+        self.urls: dict[tuple[str, str], str] = {}  # (comm, kind) -> URL
+        self.t0 = time.monotonic()
+
+    # -- setup ----------------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        from tests.ais.etl.conftest import settings, shard_bytes
+        from transformer.client import register, shard_urls
+
+        options = self.options
+        hostile = hostile_shards(options.samples)
+        bucket = self.client.bucket(self.bucket)
+        bucket.create(exist_ok=True)
+        for index in range(options.shards):
+            bucket.object(good_name(index)).get_writer().put_content(shard_bytes(index, options.samples))
+        reference = self.client.bucket(self.ref_bucket)
+        reference.create(exist_ok=True)
+        for name, shard in hostile.items():
+            bucket.object(name).get_writer().put_content(shard.data)
+            if shard.whole is not None:  # the same object name: the same seeded draws
+                reference.object(name).get_writer().put_content(shard.whole)
+        self.kinds = kinds(options, hostile)
+        started = time.monotonic()
+        for comm, etl in self.etls.items():
+            register(self.client, etl, settings(comm, preset="imagenet-train", seed=SEED, obj_timeout="120s",
+                                                init_timeout="300s"))
+        self.progress(f"registered {', '.join(self.etls.values())} in {time.monotonic() - started:.0f} s")
+        every = [*self.kinds, *(offline_kind(i) for i in range(options.shards))]
+        for comm, etl in self.etls.items():
+            for kind in every:
+                (self.urls[comm, kind.name],) = shard_urls(self.client, self.bucket, etl, names=[kind.object],
+                                                           etl_args=kind.args)
+        first = next(iter(self.etls))
+        for kind in every:
+            self.references[kind.name] = self._reference(kind, self.urls[first, kind.name])
+        self.progress(f"references: {len(every)} reads through {self.etls[first]}")
+
+    def _reference(self, kind: Kind, url: str) -> list[bytes]:
+        """The digests of the samples a read of ``kind`` must deliver: its first clean read, or for a refused
+        shard the whole read it is like (after checking that it is refused, naming the shard)."""
+        from transformer.client import shard_urls, whole_shard_samples
+
+        refusal = None
+        try:
+            samples = [digest(sample) for sample in whole_shard_samples(url, retries=0)]
+        except Exception as exc:  # noqa: BLE001
+            refusal = exc
+        if kind.refused != (refusal is not None) or (refusal is not None and kind.object not in str(refusal)):
+            raise RuntimeError(f"setup: the first read of {kind.name} was "
+                               f"{refusal or 'whole'}, expected {'a refusal naming it' if kind.refused else 'whole'}")
+        if not kind.refused:
+            return samples
+        if kind.like is None:
+            return []
+        bucket, args = kind.like
+        (like,) = shard_urls(self.client, self.bucket if bucket == "src" else self.ref_bucket,
+                             self.etls[next(iter(self.etls))], names=[kind.object], etl_args=args)
+        return [digest(sample) for sample in whole_shard_samples(like, retries=0)]
+
+    def teardown(self) -> None:
+        from transformer.client import unregister
+
+        for etl in self.etls.values():
+            with contextlib.suppress(Exception):
+                unregister(self.client, etl)
+        copies = [f"{self.options.prefix}-dst-{n}" for n in range(len(self.copies) + 1)]
+        for name in [self.bucket, self.ref_bucket, *copies]:
+            with contextlib.suppress(Exception):
+                self.client.bucket(name).delete(missing_ok=True)
+
+    # -- readers --------------------------------------------------------------------------------------
+
+    def _opener(self, read: Read, etl: str, patient: bool):
+        from transformer.client import ShardFetchError, open_shard
+
+        def opener(url: str):
+            deadline = time.monotonic() + self.options.patience
+            while True:
+                read.opens += 1
+                try:
+                    return open_shard(url)
+                except ShardFetchError as exc:
+                    if not patient or not etl_down(exc, etl) or time.monotonic() > deadline or self.gate.stopped \
+                            or self.down():
+                        raise
+                time.sleep(1.0)
+
+        return opener
+
+    def read_once(self, comm: str, kind: Kind, patient: bool) -> Read:
+        from transformer.client import whole_shard_samples
+
+        reference = self.references[kind.name]
+        read = Read(comm, "patient" if patient else "plain", kind.name, time.monotonic(),
+                    expected=0 if kind.refused else len(reference), refused=kind.refused)
+        opener = self._opener(read, self.etls[comm], patient)
+        try:
+            samples = whole_shard_samples(self.urls[comm, kind.name], opener=opener, retries=5 if patient else 2)
+            for position, sample in enumerate(samples):
+                read.delivered += 1
+                if position >= len(reference) or digest(sample) != reference[position]:
+                    read.wrong += 1
+        except Exception as exc:  # noqa: BLE001 - every error a reader can see is an outcome
+            read.error = f"{exc.__class__.__name__}: {exc}"
+            read.named = kind.object in str(exc)
+        read.end = time.monotonic()
+        return read
+
+    def reader(self, comm: str, patient: bool, number: int) -> None:
+        rng = random.Random(f"{self.options.seed}-{comm}-{patient}-{number}")
+        weights = [kind.weight for kind in self.kinds]
+        try:
+            while True:
+                kind = rng.choices(self.kinds, weights)[0]
+                with self.gate.item() as going:
+                    if not going:
+                        return
+                    read = self.read_once(comm, kind, patient)
+                with self.lock:
+                    self.reads.append(read)
+                if read.error is not None and not read.refused:
+                    time.sleep(0.5)  # its ETL is down: no busy loop of failing reads
+        except Exception as exc:  # noqa: BLE001
+            self.failures.append(f"reader {comm}/{number}: {exc.__class__.__name__}: {exc}")
+
+    # -- offline copies -------------------------------------------------------------------------------
+
+    def offline(self) -> None:
+        number = 0
+        try:
+            while not self.gate.wait(self.options.offline_every):
+                with self.gate.item() as going:
+                    if not going:
+                        return
+                    copy = self.copy_once(number)
+                number += 1
+                with self.lock:
+                    self.copies.append(copy)
+        except Exception as exc:  # noqa: BLE001
+            self.failures.append(f"offline: {exc.__class__.__name__}: {exc}")
+
+    def copy_once(self, number: int) -> OfflineCopy:
+        from transformer.client import shard_samples, transform_bucket
+
+        destination = f"{self.options.prefix}-dst-{number}"
+        copy = OfflineCopy(time.monotonic())
+        with self._offline_turn() as turn:
+            copy.start = time.monotonic()
+            if not turn:
+                copy.outcome, copy.error, copy.end = "skipped", f"{self.offline_etl} not Running", time.monotonic()
+                return copy
+            try:
+                job = transform_bucket(self.client, self.offline_etl, self.bucket, destination, prefix="good-",
+                                       options={"preset": "imagenet-train", "dtype": "uint8", "seed": SEED},
+                                       timeout=600)
+                copy.job, copy.outcome = job.job_id, "success" if job.success else "failed"
+                copy.error, copy.object_errors = job.error or "", [name for name, _ in job.object_errors]
+            except Exception as exc:  # noqa: BLE001 - a copy that raises told its caller
+                copy.outcome, copy.error = "raised", f"{exc.__class__.__name__}: {exc}"
+            copy.end = time.monotonic()
+        bucket = self.client.bucket(destination)
+        try:
+            stored = {entry.name for entry in bucket.list_all_objects()}
+        except Exception:  # noqa: BLE001 - no destination bucket: nothing was stored
+            stored = set()
+        for index in range(self.options.shards):
+            name = good_name(index)
+            reference = self.references[offline_kind(index).name]
+            said = copy.outcome != "success" or any(error.endswith(f"/{name}") for error in copy.object_errors)
+            if name not in stored:
+                copy.missing.append(name)
+                if not said:
+                    copy.lost.append(name)
+                continue
+            data = bucket.object(name).get_reader().read_all()
+            try:
+                got = [digest(sample) for sample in shard_samples(io.BytesIO(data), f"ais://{destination}/{name}")]
+            except Exception:  # noqa: BLE001 - a stored shard without a valid end marker
+                copy.cut.append(name)
+                if not said:
+                    copy.lost.append(name)
+                continue
+            if got == reference:
+                copy.whole += 1
+            else:
+                copy.wrong.append(name)
+        with contextlib.suppress(Exception):
+            bucket.delete(missing_ok=True)
+        return copy
+
+    @contextlib.contextmanager
+    def _offline_turn(self):
+        """Whether an offline copy may start now, held while it runs.
+
+        AIS 5.0 registers a restarted ETL with its targets before its pod is ready, without the HTTP
+        client it calls the pod with: an offline job that starts while the ETL is Initializing
+        dereferences that nil client on every target and crashes them (an inline read in that window
+        only loses its connection). So, guarded, a copy starts only while the ETL is Running, and the
+        ETL is not started again while a copy runs: the operator's rule in docs/reliability.md.
+        """
+        if not self.options.guard_offline:
+            yield True
+            return
+        deadline = time.monotonic() + self.options.patience
+        while time.monotonic() < deadline and not self.down():
+            if self._stage(self.offline_etl) == "Running":
+                with self.etl_lock:
+                    if self._stage(self.offline_etl) == "Running":
+                        yield True
+                        return
+            time.sleep(0.5)
+        yield False
+
+    # -- kills ----------------------------------------------------------------------------------------
+
+    def killer(self) -> None:
+        rng = random.Random(f"{self.options.seed}-kills")
+        order = list(self.etls.values())
+        try:
+            while not self.warmed.is_set():  # the first kill comes after the warm-up's quiet point
+                if self.gate.wait(0.2):
+                    return
+            if self.gate.wait(2.0):
+                return
+            turn = 0
+            while True:
+                with self.gate.item() as going:
+                    if not going:
+                        return
+                    self.kills.append(self.kill(order[turn % len(order)], rng))
+                turn += 1
+                if self.gate.wait(self.options.kill_every):
+                    return
+        except Exception as exc:  # noqa: BLE001
+            self.failures.append(f"killer: {exc.__class__.__name__}: {exc}")
+
+    def kill(self, etl: str, rng: random.Random) -> Kill:
+        kube = self.cluster.kube
+        pods = sorted(kube.running_pods(etl), key=lambda pod: pod.name)
+        if not pods:
+            return Kill(etl, "", time.monotonic(), error=f"{etl} has no running pod to kill")
+        victim = rng.choice(pods)
+        self.prober.set_pods(etl, [])
+        kill = Kill(etl, victim.name, time.monotonic())
+        self.progress(f"{self._elapsed():6.0f} s: killing pod {victim.name}")
+        kube.kill(victim)
+
+        def wait(condition, timeout: float) -> float | None:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and not self.down():
+                if condition():
+                    return round(time.monotonic() - kill.at, 2)
+                time.sleep(0.2)
+            return None
+
+        kill.aborted_s = wait(lambda: self._stage(etl) == "Aborted", 120)
+        kill.pods_gone_s = wait(lambda: not kube.pods_of(etl), 120)
+        targets = len(self.cluster.targets)
+        with self.etl_lock:  # not while an offline copy runs (see _offline_turn)
+            for _ in range(5):
+                if self.down():
+                    break
+                try:
+                    self.client.etl(etl).start()
+                    break
+                except Exception as exc:  # noqa: BLE001 - an operator tries again
+                    kill.start_errors.append(f"{exc.__class__.__name__}: {exc}"[:500])
+                    time.sleep(2.0)
+        kill.running_s = wait(lambda: self._stage(etl) == "Running" and len(kube.running_pods(etl)) == targets, 300)
+        if kill.recovered:
+            self.prober.set_pods(etl, kube.running_pods(etl))
+            self.progress(f"{self._elapsed():6.0f} s: {etl} aborted after {kill.aborted_s} s, running again "
+                          f"after {kill.running_s} s")
+        else:
+            kill.error = f"{etl} not Running with {targets} pods within 300 s of start"
+            self.progress(f"{self._elapsed():6.0f} s: {kill.error}")
+        return kill
+
+    def down(self) -> bool:
+        """Whether an aisnode has exited (each exit is recorded once, with the end of its output)."""
+        for node in self.cluster.nodes():
+            code = node.process.poll()
+            if code is not None and node.role + str(node.process.pid) not in self.exited:
+                self.exited[node.role + str(node.process.pid)] = (
+                    f"{node.role} (pid {node.process.pid}) exited with {code}: "
+                    + node.output.read_text(errors="replace")[-3000:])
+        return bool(self.exited)
+
+    def _stage(self, etl: str) -> str:
+        stage = etl_stages(self.client, {etl})[etl]
+        self.stages.observe(etl, stage)
+        return stage
+
+    # -- quiet points ---------------------------------------------------------------------------------
+
+    def quiet_point(self, label: str) -> None:
+        """Hold the load, let it settle, read every process idle, and let the load go on (``run``)."""
+        started = time.monotonic()
+        drained = self.gate.hold(timeout=600)
+        held = time.monotonic() - started
+        self.stages.pause()
+        # The soak's own idle keep-alive connections (the SDK's pool, responses not yet collected) would be
+        # counted among aisnode's sockets: close them, so that what is read is AIS's and the pods' own.
+        gc.collect()
+        with contextlib.suppress(AttributeError):  # aistore 2.0.0's session pool
+            self.client._request_client.session_manager.session.close()
+        time.sleep(self.options.settle)
+        readings = self.sampler.sample()
+        self.stages.resume()
+        with contextlib.suppress(OSError, subprocess.SubprocessError):  # who holds the sockets, for a reader
+            sockets = subprocess.run(["ss", "-tanp"], capture_output=True, text=True, timeout=30).stdout
+            with open(self.folder / "quiet-sockets.txt", "a") as out:
+                out.write(f"--- {self._elapsed():.0f} s ({label})\n" + "".join(
+                    line + "\n" for line in sockets.splitlines() if "aisnode" in line or "python" in line))
+        self.warmed.set()
+        self.quiet.append({"t": time.monotonic(), "label": label, "drained": drained, "hold_s": round(held, 1),
+                           "processes": readings})
+        self.progress(f"{self._elapsed():6.0f} s: quiet point ({label}) after {held:.0f} s of draining")
+
+    # -- the run --------------------------------------------------------------------------------------
+
+    def processes(self) -> dict[str, int]:
+        """What the sampler reads: each aisnode by role, each running pod of the soak by name and pid."""
+        found = {"proxy": self.cluster.proxy.process.pid}
+        for number, target in enumerate(self.cluster.targets, 1):
+            found[f"target{number}"] = target.process.pid
+        for etl in self.etls.values():
+            for pod in self.cluster.kube.running_pods(etl):
+                found[f"{pod.name}@{pod.pid}"] = pod.pid
+        return found
+
+    def _elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def run(self) -> dict:
+        loadavg_start = os.getloadavg()
+        # The readers' warnings (a cut shard read again) go to a file of the run, not to the terminal.
+        client_log = logging.getLogger("transformer.client")
+        handler = logging.FileHandler(self.folder / "client.log")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        client_log.addHandler(handler)
+        propagate, client_log.propagate = client_log.propagate, False
+        try:
+            return self._run(loadavg_start)
+        finally:
+            client_log.removeHandler(handler)
+            client_log.propagate = propagate
+            handler.close()
+
+    def _run(self, loadavg_start: tuple[float, float, float]) -> dict:
+        from bench.soak_report import build_report
+
+        options = self.options
+        started = time.monotonic()
+        self.setup()
+        self.setup_s = time.monotonic() - started
+        self.prober = HealthProber(self.folder)
+        for etl in self.etls.values():
+            self.prober.set_pods(etl, self.cluster.kube.running_pods(etl))
+        self.stages = StageWatch(self.client, set(self.etls.values()))
+        self.stages.start()
+        self.sampler = ProcessSampler(self.processes)
+        self.sampler.start()
+        self.t0 = time.monotonic()
+        workers = [threading.Thread(target=self.reader, args=(comm, patient, n), daemon=True,
+                                    name=f"soak-{comm}-{'patient' if patient else 'plain'}-{n}")
+                   for comm in self.etls for patient in (False, True) for n in range(options.readers)]
+        workers.append(threading.Thread(target=self.offline, name="soak-offline", daemon=True))
+        workers.append(threading.Thread(target=self.killer, name="soak-killer", daemon=True))
+        for worker in workers:
+            worker.start()
+        deadline = self.t0 + options.duration
+        next_quiet = self.t0 + options.warm_up
+        try:
+            while time.monotonic() < deadline and not self.down():
+                if time.monotonic() >= next_quiet:
+                    self.quiet_point("warm-up" if not self.quiet else "periodic")
+                    self.gate.release()
+                    next_quiet = time.monotonic() + options.quiet_every
+                time.sleep(min(0.5, max(0.0, min(deadline, next_quiet) - time.monotonic())))
+            if not self.down():
+                self.quiet_point("end")
+            else:
+                self.progress(f"{self._elapsed():6.0f} s: stopped: {next(iter(self.exited.values()))[:300]}")
+        finally:
+            self.gate.stop()
+            for worker in workers:
+                worker.join(timeout=options.patience + 700)
+            self.sampler.stop()
+            self.stages.stop()
+            probes = self.prober.stop()
+        return build_report(self, probes, loadavg_start)
+
+
+# ------------------------------------------------------------------------------------------------- main
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = Options()
+    parser.add_argument("--duration", type=float, default=defaults.duration, help="seconds of load (default 1800)")
+    parser.add_argument("--kill-every", type=float, default=defaults.kill_every,
+                        help="seconds between two pod kills, after warm-up (default 120)")
+    parser.add_argument("--quiet-every", type=float, default=defaults.quiet_every,
+                        help="seconds between two quiet points (default 120)")
+    parser.add_argument("--warm-up", type=float, default=None, help="seconds before the first quiet point "
+                        "(default: a tenth of the duration, at most 120)")
+    parser.add_argument("--settle", type=float, default=defaults.settle,
+                        help="idle seconds at a quiet point before the processes are read (default 8)")
+    parser.add_argument("--shards", type=int, default=defaults.shards, help="good shards (default 12)")
+    parser.add_argument("--samples", type=int, default=defaults.samples, help="samples per shard (default 8)")
+    parser.add_argument("--readers", type=int, default=defaults.readers,
+                        help="plain readers per ETL, and as many patient ones (default 1)")
+    parser.add_argument("--patience", type=float, default=defaults.patience,
+                        help="seconds a patient reader waits for its ETL to come back (default 180)")
+    parser.add_argument("--offline-every", type=float, default=defaults.offline_every,
+                        help="seconds between two offline copies (default 20)")
+    parser.add_argument("--unguarded-offline", action="store_true",
+                        help="start offline copies whatever the ETL's stage, and restart the ETL while one runs "
+                             "(crashes AIS 5.0 targets, see docs/reliability.md)")
+    parser.add_argument("--comms", default=",".join(COMMS), help="communication types, one ETL each "
+                        "(default hpush,hpull,ws)")
+    parser.add_argument("--keep", action="store_true", help="keep the run's folder (AIS and pod logs, the "
+                        "probes, the readers' warnings, the sockets at each quiet point) also when every bound held")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "soak-ais",
+                        help="folder for results.json, results.md, results.png (default bench/results/soak-ais)")
+
+
+def options_from(args: argparse.Namespace) -> Options:
+    comms = tuple(comm.strip() for comm in args.comms.split(",") if comm.strip())
+    unknown = [comm for comm in comms if comm not in COMMS]
+    if unknown or not comms:
+        raise SystemExit(f"--comms: {', '.join(unknown) or 'none'} is not one of {', '.join(COMMS)}")
+    warm_up = args.warm_up if args.warm_up is not None else min(120.0, args.duration / 10)
+    return Options(duration=args.duration, kill_every=args.kill_every, quiet_every=args.quiet_every,
+                   warm_up=warm_up, settle=args.settle, shards=args.shards, samples=args.samples,
+                   readers=args.readers, patience=args.patience, offline_every=args.offline_every, comms=comms,
+                   guard_offline=not args.unguarded_offline)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.soak_report import write_report
+    from tests.ais.cluster import install_aisnode
+    from tests.ais.etl_cluster import NODES, enter_network_namespace, start_etl_cluster
+
+    parser = argparse.ArgumentParser(prog="python -m bench.soak --through-ais", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    options = options_from(args)
+    binary = install_aisnode(log=lambda message: print(message, file=sys.stderr))
+    root = Path(tempfile.mkdtemp(prefix="soak-ais-"))
+    namespace = enter_network_namespace(list(NODES.values()))
+    report = None
+    try:
+        with start_etl_cluster(binary, root / "cluster") as cluster:
+            soak = Soak(cluster, cluster.client(), options, root, progress=lambda line: print(line, flush=True))
+            try:
+                report = soak.run()
+            finally:
+                soak.teardown()
+    finally:
+        namespace.leave()
+        if report is not None and report["passed"] and not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+        else:  # the nodes' and pods' logs, the probes, the readers' warnings
+            print(f"kept {root} (cluster/: AIS and pod logs; client.log, health-probes.txt)", file=sys.stderr)
+    report["command"] = "python -m bench.soak --through-ais " + " ".join(argv if argv is not None else sys.argv[1:])
+    write_report(report, args.out)
+    print((args.out / "results.md").read_text())
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
