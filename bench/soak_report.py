@@ -100,7 +100,9 @@ def _reads(soak) -> dict:
 
 def _offline(soak) -> dict:
     copies = soak.copies
-    windows = _windows(soak, soak.offline_etl)
+    # A copy is affected by the kill of any ETL: AIS 5.0 aborts every offline ETL job when one ETL stops
+    # (ext/etl/transform.go, Stop: xreg.AbortKind(..., ActETLBck), "TODO: abort only related offline transforms").
+    windows = [kill.window for kill in soak.kills]
     errors_while_up = [c for c in copies if c.outcome != "success" and not any(_overlaps(c.start, c.end, w)
                                                                                   for w in windows)]
     return {

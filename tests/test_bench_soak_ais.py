@@ -243,6 +243,18 @@ def test_each_bound_fails_when_what_it_bounds_goes_wrong(what: str, criterion: s
     assert [name for name, held in report["criteria"].items() if not held] == criterion.split()
 
 
+def test_an_offline_copy_aborted_by_the_kill_of_another_etl_is_not_an_error_while_up() -> None:
+    """AIS aborts every offline ETL job when any ETL stops: a copy through a healthy ETL fails then."""
+    soak = _fake_soak(etls={"hpush": "soak-hpush", "ws": "soak-ws"})
+    soak.kills[0].etl = "soak-ws"
+    soak.copies.append(OfflineCopy(T0 + 31, T0 + 33, job="k", outcome="failed", error="IC(notifications) abort",
+                                   missing=["good-000.tar"]))
+    report = build_report(soak, _probes(), (1.0, 1.0, 1.0))
+    assert report["passed"], report["criteria"]
+    soak.copies[-1].start, soak.copies[-1].end = T0 + 60, T0 + 62  # after the ws ETL was back: an error while up
+    assert not build_report(soak, _probes(), (1.0, 1.0, 1.0))["criteria"]["no_error_while_the_etl_is_up"]
+
+
 def test_an_error_while_the_etl_is_down_is_named_not_lost_and_a_probe_then_is_left_out() -> None:
     soak = _fake_soak()
     soak.reads[8].start, soak.reads[8].end = T0 + 35, T0 + 36  # inside the kill's window (30 s to 50 s)
