@@ -209,6 +209,7 @@ def build_report(soak, probes, loadavg_start: tuple[float, float, float]) -> dic
         "load_series": [[round(t - soak.t0, 1), one] for t, one, _, _ in load],
         "failures": soak.failures,
         "aisnode_exits": list(soak.exited.values()),
+        "aisnode_panics_recovered": soak.panics,
     }
     aisnodes_assessed = all(processes.get(n, {}).get("assessed") for n in AISNODES)
     report["criteria"] = {
@@ -263,6 +264,8 @@ def markdown(report: dict) -> str:
         f"{_range(aborted)} s, Running again after {_range(running)} s (start included) |",
         f"| ETL stage transitions | {len(report['stage_transitions'])} "
         f"({', '.join(sorted({f'{a}->{b}' for _, _, a, b in report['stage_transitions']}))}) |",
+        f"| panics aisnode's HTTP server recovered from (a read dropped) | "
+        f"{', '.join(f'{k} {v}' for k, v in report['aisnode_panics_recovered'].items()) or '-'} |",
         f"| /health while the ETL is up | {h['probes_while_up']:,} probes, {h['failures_while_up']} failed; p50 "
         f"{h['p50_ms']} ms, p99 {h['p99_ms']} ms, max {h['max_ms']} ms |",
     ]

@@ -171,7 +171,7 @@ def _fake_soak(**changes) -> SimpleNamespace:
         sampler=SimpleNamespace(samples=[{"t": T0 + t, "id": p, **idle} for t in (0, 12, 80) for p in processes],
                                 load=[(T0, 1.0, 1.0, 1.0)]),
         stages=SimpleNamespace(transitions=[(T0 + 31, "soak-hpush", "Running", "Aborted")], errors=[]),
-        failures=[], exited={}, setup_s=1.0)
+        failures=[], exited={}, setup_s=1.0, panics={})
     for name, value in changes.items():
         setattr(soak, name, value)
     return soak
