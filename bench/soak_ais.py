@@ -365,6 +365,7 @@ class Soak:
         self.etl_lock = threading.Lock()
         self.warmed = threading.Event()
         self.setup_s = 0.0
+        self.panics: dict[str, int] = {}
         self.kinds: list[Kind] = []
         self.references: dict[str, list[bytes]] = {}  # kind -> the digests of its samples
         self.urls: dict[tuple[str, str], str] = {}  # (comm, kind) -> URL
@@ -645,6 +646,12 @@ class Soak:
             self.progress(f"{self._elapsed():6.0f} s: {kill.error}")
         return kill
 
+    def node_panics(self) -> dict[str, int]:
+        """Per aisnode, the panics its HTTP server recovered from (a reader's connection dropped), from its
+        output; a panic elsewhere ends the process (``down``)."""
+        return {node.role + ("" if node.role == "proxy" else str(number)): node.output.read_text(errors="replace")
+                .count("http: panic serving") for number, node in enumerate(self.cluster.nodes(), 1)}
+
     def down(self) -> bool:
         """Whether an aisnode has exited (each exit is recorded once, with the end of its output)."""
         for node in self.cluster.nodes():
@@ -758,6 +765,7 @@ class Soak:
             self.sampler.stop()
             self.stages.stop()
             probes = self.prober.stop()
+            self.panics = self.node_panics()
         return build_report(self, probes, loadavg_start)
 
 

@@ -100,7 +100,9 @@ def _reads(soak) -> dict:
 
 def _offline(soak) -> dict:
     copies = soak.copies
-    windows = _windows(soak, soak.offline_etl)
+    # A copy is affected by the kill of any ETL: AIS 5.0 aborts every offline ETL job when one ETL stops
+    # (ext/etl/transform.go, Stop: xreg.AbortKind(..., ActETLBck), "TODO: abort only related offline transforms").
+    windows = [kill.window for kill in soak.kills]
     errors_while_up = [c for c in copies if c.outcome != "success" and not any(_overlaps(c.start, c.end, w)
                                                                                   for w in windows)]
     return {
@@ -207,6 +209,7 @@ def build_report(soak, probes, loadavg_start: tuple[float, float, float]) -> dic
         "load_series": [[round(t - soak.t0, 1), one] for t, one, _, _ in load],
         "failures": soak.failures,
         "aisnode_exits": list(soak.exited.values()),
+        "aisnode_panics_recovered": soak.panics,
     }
     aisnodes_assessed = all(processes.get(n, {}).get("assessed") for n in AISNODES)
     report["criteria"] = {
@@ -261,6 +264,8 @@ def markdown(report: dict) -> str:
         f"{_range(aborted)} s, Running again after {_range(running)} s (start included) |",
         f"| ETL stage transitions | {len(report['stage_transitions'])} "
         f"({', '.join(sorted({f'{a}->{b}' for _, _, a, b in report['stage_transitions']}))}) |",
+        f"| panics aisnode's HTTP server recovered from (a read dropped) | "
+        f"{', '.join(f'{k} {v}' for k, v in report['aisnode_panics_recovered'].items()) or '-'} |",
         f"| /health while the ETL is up | {h['probes_while_up']:,} probes, {h['failures_while_up']} failed; p50 "
         f"{h['p50_ms']} ms, p99 {h['p99_ms']} ms, max {h['max_ms']} ms |",
     ]

@@ -171,7 +171,7 @@ def _fake_soak(**changes) -> SimpleNamespace:
         sampler=SimpleNamespace(samples=[{"t": T0 + t, "id": p, **idle} for t in (0, 12, 80) for p in processes],
                                 load=[(T0, 1.0, 1.0, 1.0)]),
         stages=SimpleNamespace(transitions=[(T0 + 31, "soak-hpush", "Running", "Aborted")], errors=[]),
-        failures=[], exited={}, setup_s=1.0)
+        failures=[], exited={}, setup_s=1.0, panics={})
     for name, value in changes.items():
         setattr(soak, name, value)
     return soak
@@ -241,6 +241,18 @@ def test_each_bound_fails_when_what_it_bounds_goes_wrong(what: str, criterion: s
     report = build_report(soak, probes, (1.0, 1.0, 1.0))
     assert not report["passed"]
     assert [name for name, held in report["criteria"].items() if not held] == criterion.split()
+
+
+def test_an_offline_copy_aborted_by_the_kill_of_another_etl_is_not_an_error_while_up() -> None:
+    """AIS aborts every offline ETL job when any ETL stops: a copy through a healthy ETL fails then."""
+    soak = _fake_soak(etls={"hpush": "soak-hpush", "ws": "soak-ws"})
+    soak.kills[0].etl = "soak-ws"
+    soak.copies.append(OfflineCopy(T0 + 31, T0 + 33, job="k", outcome="failed", error="IC(notifications) abort",
+                                   missing=["good-000.tar"]))
+    report = build_report(soak, _probes(), (1.0, 1.0, 1.0))
+    assert report["passed"], report["criteria"]
+    soak.copies[-1].start, soak.copies[-1].end = T0 + 60, T0 + 62  # after the ws ETL was back: an error while up
+    assert not build_report(soak, _probes(), (1.0, 1.0, 1.0))["criteria"]["no_error_while_the_etl_is_up"]
 
 
 def test_an_error_while_the_etl_is_down_is_named_not_lost_and_a_probe_then_is_left_out() -> None:
