@@ -91,6 +91,7 @@ def _error(status: int | None, body: str) -> ShardFetchError:
     (400, '{"message":"Put \\"http://198.51.100.12:30001/b/o.tar\\": dial tcp 198.51.100.12:30001: connect: '
           'connection refused"}', True),
     (400, '{"message":"trying to execute \\"easy URL\\" via AIS target? (hint: use proxy)"}', True),
+    (400, '{"message":"user abort","method":"GET","url_path":"/v1/objects/b/o.tar","status":400}', True),
     (422, "shard 'b/o.tar': not a tar archive", False),
     (400, "invalid etl_args field 'preset': unknown preset", False),
     (None, "connection failed: refused", True),
@@ -171,7 +172,7 @@ def _fake_soak(**changes) -> SimpleNamespace:
         sampler=SimpleNamespace(samples=[{"t": T0 + t, "id": p, **idle} for t in (0, 12, 80) for p in processes],
                                 load=[(T0, 1.0, 1.0, 1.0)]),
         stages=SimpleNamespace(transitions=[(T0 + 31, "soak-hpush", "Running", "Aborted")], errors=[]),
-        failures=[], exited={}, setup_s=1.0)
+        failures=[], exited={}, setup_s=1.0, panics={}, git="abc1234")
     for name, value in changes.items():
         setattr(soak, name, value)
     return soak

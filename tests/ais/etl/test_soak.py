@@ -48,6 +48,7 @@ def test_soak_through_ais_loses_nothing_when_a_pod_is_killed(etl_client, etl_clu
                                                                                              "Running")
     assert report["health"]["probes_while_up"] > 0 and report["health"]["failures_while_up"] == 0
     assert {"proxy", "target1", "target2"} <= set(report["processes"])
+    assert set(report["aisnode_panics_recovered"]) == {"proxy", "target1", "target2"}
     assert [q["label"] for q in report["quiet_points"]] == ["warm-up", "end"]
     # The package's ETLs and the cluster as they were: same pods, Running; the soak's ETL and buckets gone.
     assert {name: sorted((pod.name, pod.pid) for pod in etl_cluster.kube.running_pods(name))
