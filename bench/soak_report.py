@@ -277,7 +277,7 @@ def markdown(report: dict) -> str:
         f"| ETL stage transitions | {len(report['stage_transitions'])} "
         f"({', '.join(sorted({f'{a}->{b}' for _, _, a, b in report['stage_transitions']}))}) |",
         f"| panics aisnode's HTTP server recovered from (a read dropped) | "
-        f"{', '.join(f'{k} {v}' for k, v in report['aisnode_panics_recovered'].items()) or '-'} |",
+        f"{', '.join(f'{k} {v}' for k, v in report.get('aisnode_panics_recovered', {}).items()) or '-'} |",
         f"| /health while the ETL is up | {h['probes_while_up']:,} probes, {h['failures_while_up']} failed; p50 "
         f"{h['p50_ms']} ms, p99 {h['p99_ms']} ms, max {h['max_ms']} ms |",
     ]
@@ -315,7 +315,7 @@ def write_plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(4, 1, figsize=(12, 11), sharex=True)
+    fig, axes = plt.subplots(5, 1, figsize=(12, 13), sharex=True)
     colors = {"proxy": "#444444", "target1": "#2a7ab9", "target2": "#d1603d"}
     palette = ["#7f9f3f", "#9467bd", "#e6a100"]
     etl_colors = {etl: palette[i % len(palette)] for i, etl in enumerate(report["etls"].values())}
@@ -326,31 +326,35 @@ def write_plot(report: dict, path: Path) -> None:
         minutes = [t / 60 for t, *_ in series]
         if p["kind"] == "aisnode":
             style = {"color": colors.get(ident, "black"), "linewidth": 1.4, "label": ident}
+            rss = axes[0]
         else:
             etl = next((e for e in etl_colors if ident.startswith(f"{e}-")), "")
             style = {"color": etl_colors.get(etl, "grey"), "linewidth": 0.8, "alpha": 0.8}
-        for ax, column in zip(axes[:3], (1, 2, 3)):
+            rss = axes[1]
+        for ax, column in zip((rss, axes[2], axes[3]), (1, 2, 3)):
             ax.plot(minutes, [row[column] for row in series], **style)
     for etl, color in etl_colors.items():
-        axes[0].plot([], [], color=color, linewidth=0.8, label=f"pods of {etl}")
-    axes[0].set_ylabel("RSS (MB)")
-    axes[1].set_ylabel("threads")
-    axes[2].set_ylabel("open fds")
+        axes[1].plot([], [], color=color, linewidth=0.8, label=f"pods of {etl}")
+    axes[0].set_ylabel("aisnode RSS (MB)")
+    axes[1].set_ylabel("pod RSS (MB)")
+    axes[2].set_ylabel("threads")
+    axes[3].set_ylabel("open fds")
     health = report["health"]["series"]
     minutes = [row[0] / 60 for row in health]
-    axes[3].plot(minutes, [row[3] for row in health], color="#2a7ab9", linewidth=0.9, label="p99 per 10 s")
-    axes[3].plot(minutes, [row[4] for row in health], color="#2a7ab9", linewidth=0.5, alpha=0.4, label="max")
-    axes[3].legend(fontsize=7, loc="upper left")
-    axes[3].axhline(report["options"]["bounds"]["health_p99_ms"], color="#d1603d", linestyle="--", linewidth=0.8)
-    axes[3].set_yscale("log")
-    axes[3].set_ylabel("GET /health (ms), ETL up")
-    axes[3].set_xlabel("minutes")
+    axes[4].plot(minutes, [row[3] for row in health], color="#2a7ab9", linewidth=0.9, label="p99 per 10 s")
+    axes[4].plot(minutes, [row[4] for row in health], color="#2a7ab9", linewidth=0.5, alpha=0.4, label="max")
+    axes[4].legend(fontsize=7, loc="upper left")
+    axes[4].axhline(report["options"]["bounds"]["health_p99_ms"], color="#d1603d", linestyle="--", linewidth=0.8)
+    axes[4].set_yscale("log")
+    axes[4].set_ylabel("GET /health (ms), ETL up")
+    axes[4].set_xlabel("minutes")
     for ax in axes:
         for kill in report["kills"]:
             ax.axvline(kill["at"] / 60, color="#d1603d", linewidth=0.6, alpha=0.6)
         for quiet in report["quiet_points"]:
             ax.axvline(quiet["t"] / 60, color="#444444", linewidth=0.5, linestyle=":")
     axes[0].legend(fontsize=7, ncol=3, loc="upper left")
+    axes[1].legend(fontsize=7, ncol=3, loc="lower right")
     fig.suptitle(f"{report.get('command', '')} ({report['started']}); red: pod kills, dotted: quiet points",
                  fontsize=9)
     fig.tight_layout()
