@@ -198,7 +198,8 @@ def etl_down(error, etl: str) -> bool:
 
     What AIS 5.0 answers: between a pod's death and the abort, 400 with the Go error of its call to the
     pod ("dial tcp ...: connect: connection refused"), or for hpull, whose reader is sent to the pod
-    itself, no answer; 404 "<etl> does not exist" once the ETL is aborted; while it starts again, a
+    itself, no answer; for ws, 400 "user abort" as the ETL is aborted; 404 "<etl> does not exist" once
+    it is; while it starts again, a
     dropped connection (hpush, ws) or, for hpull, a redirect back to the target that answers 400 "trying
     to execute "easy URL" via AIS target?" (the pod's address is not known yet); a 5xx while a target
     is busy with it.
@@ -211,7 +212,7 @@ def etl_down(error, etl: str) -> bool:
 
 
 _ETL_GOING = ("connect: connection refused", "connection reset by peer", "dial tcp",
-              "via AIS target? (hint: use proxy)")
+              "via AIS target? (hint: use proxy)", '"message":"user abort"')
 
 
 def digest(sample: dict) -> bytes:
@@ -366,6 +367,7 @@ class Soak:
         self.warmed = threading.Event()
         self.setup_s = 0.0
         self.panics: dict[str, int] = {}
+        self.git = ""
         self.kinds: list[Kind] = []
         self.references: dict[str, list[bytes]] = {}  # kind -> the digests of its samples
         self.urls: dict[tuple[str, str], str] = {}  # (comm, kind) -> URL
@@ -724,9 +726,10 @@ class Soak:
             handler.close()
 
     def _run(self, loadavg_start: tuple[float, float, float]) -> dict:
-        from bench.soak_report import build_report
+        from bench.soak_report import build_report, git_commit
 
         options = self.options
+        self.git = git_commit()
         started = time.monotonic()
         self.setup()
         self.setup_s = time.monotonic() - started

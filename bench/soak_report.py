@@ -26,12 +26,15 @@ def _windows(soak, etl: str) -> list[tuple[float, float]]:
     return [kill.window for kill in soak.kills if kill.etl == etl]
 
 
-def _git() -> str:
+def git_commit() -> str:
+    """The commit the run's code comes from (read when the run starts), "(dirty)" if bench/ or transformer/
+    differed from it (new files under them do not count)."""
+
     def git(*command: str) -> str:
         done = subprocess.run(["git", *command], capture_output=True, text=True, cwd=Path(__file__).parents[1])
         return done.stdout.strip()
 
-    dirty = " (dirty)" if git("status", "--porcelain", "--", "transformer", "bench") else ""
+    dirty = " (dirty)" if git("status", "--porcelain", "--untracked-files=no", "--", "transformer", "bench") else ""
     return git("rev-parse", "--short", "HEAD") + dirty
 
 
@@ -143,7 +146,16 @@ def _health(soak, probes) -> dict:
     return {"probes": len(probes), "probes_while_up": len(up), "failures_while_up": len(failures),
             "p50_ms": ms(50), "p99_ms": ms(99), "max_ms": ms(100),
             "left_out_etl_down": len(probes) - len(up), "examples": failures[:5],
-            "series": [[round(p.start - soak.t0, 2), round(p.seconds * 1000, 2)] for p in up if p.ok]}
+            "series": _binned([(p.start - soak.t0, p.seconds * 1000) for p in up if p.ok])}
+
+
+def _binned(points: list[tuple[float, float]], seconds: float = 10.0) -> list[list[float]]:
+    """``[start of the bin, probes, p50, p99, max]`` of the probes' milliseconds, per ``seconds``."""
+    bins: dict[int, list[float]] = {}
+    for t, ms in points:
+        bins.setdefault(int(t // seconds), []).append(ms)
+    return [[round(key * seconds, 1), len(values), round(percentile(values, 50), 2), round(percentile(values, 99), 2),
+             round(max(values), 2)] for key, values in sorted(bins.items())]
 
 
 def _processes(soak) -> dict:
@@ -187,7 +199,7 @@ def build_report(soak, probes, loadavg_start: tuple[float, float, float]) -> dic
     load = soak.sampler.load
     report = {
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(time.time() - (time.monotonic() - soak.t0))),
-        "git": _git(),
+        "git": soak.git,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg_start": loadavg_start,
                     "loadavg_end": os.getloadavg(), "loadavg_1min_max": max((x[1] for x in load), default=None),
                     "loadavg_1min_median": percentile([x[1] for x in load], 50)},
@@ -265,7 +277,7 @@ def markdown(report: dict) -> str:
         f"| ETL stage transitions | {len(report['stage_transitions'])} "
         f"({', '.join(sorted({f'{a}->{b}' for _, _, a, b in report['stage_transitions']}))}) |",
         f"| panics aisnode's HTTP server recovered from (a read dropped) | "
-        f"{', '.join(f'{k} {v}' for k, v in report['aisnode_panics_recovered'].items()) or '-'} |",
+        f"{', '.join(f'{k} {v}' for k, v in report.get('aisnode_panics_recovered', {}).items()) or '-'} |",
         f"| /health while the ETL is up | {h['probes_while_up']:,} probes, {h['failures_while_up']} failed; p50 "
         f"{h['p50_ms']} ms, p99 {h['p99_ms']} ms, max {h['max_ms']} ms |",
     ]
@@ -303,7 +315,7 @@ def write_plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(4, 1, figsize=(12, 11), sharex=True)
+    fig, axes = plt.subplots(5, 1, figsize=(12, 13), sharex=True)
     colors = {"proxy": "#444444", "target1": "#2a7ab9", "target2": "#d1603d"}
     palette = ["#7f9f3f", "#9467bd", "#e6a100"]
     etl_colors = {etl: palette[i % len(palette)] for i, etl in enumerate(report["etls"].values())}
@@ -314,28 +326,35 @@ def write_plot(report: dict, path: Path) -> None:
         minutes = [t / 60 for t, *_ in series]
         if p["kind"] == "aisnode":
             style = {"color": colors.get(ident, "black"), "linewidth": 1.4, "label": ident}
+            rss = axes[0]
         else:
             etl = next((e for e in etl_colors if ident.startswith(f"{e}-")), "")
             style = {"color": etl_colors.get(etl, "grey"), "linewidth": 0.8, "alpha": 0.8}
-        for ax, column in zip(axes[:3], (1, 2, 3)):
+            rss = axes[1]
+        for ax, column in zip((rss, axes[2], axes[3]), (1, 2, 3)):
             ax.plot(minutes, [row[column] for row in series], **style)
     for etl, color in etl_colors.items():
-        axes[0].plot([], [], color=color, linewidth=0.8, label=f"pods of {etl}")
-    axes[0].set_ylabel("RSS (MB)")
-    axes[1].set_ylabel("threads")
-    axes[2].set_ylabel("open fds")
+        axes[1].plot([], [], color=color, linewidth=0.8, label=f"pods of {etl}")
+    axes[0].set_ylabel("aisnode RSS (MB)")
+    axes[1].set_ylabel("pod RSS (MB)")
+    axes[2].set_ylabel("threads")
+    axes[3].set_ylabel("open fds")
     health = report["health"]["series"]
-    axes[3].scatter([t / 60 for t, _ in health], [ms for _, ms in health], s=2, color="#2a7ab9")
-    axes[3].axhline(report["options"]["bounds"]["health_p99_ms"], color="#d1603d", linestyle="--", linewidth=0.8)
-    axes[3].set_yscale("log")
-    axes[3].set_ylabel("GET /health (ms), ETL up")
-    axes[3].set_xlabel("minutes")
+    minutes = [row[0] / 60 for row in health]
+    axes[4].plot(minutes, [row[3] for row in health], color="#2a7ab9", linewidth=0.9, label="p99 per 10 s")
+    axes[4].plot(minutes, [row[4] for row in health], color="#2a7ab9", linewidth=0.5, alpha=0.4, label="max")
+    axes[4].legend(fontsize=7, loc="upper left")
+    axes[4].axhline(report["options"]["bounds"]["health_p99_ms"], color="#d1603d", linestyle="--", linewidth=0.8)
+    axes[4].set_yscale("log")
+    axes[4].set_ylabel("GET /health (ms), ETL up")
+    axes[4].set_xlabel("minutes")
     for ax in axes:
         for kill in report["kills"]:
             ax.axvline(kill["at"] / 60, color="#d1603d", linewidth=0.6, alpha=0.6)
         for quiet in report["quiet_points"]:
             ax.axvline(quiet["t"] / 60, color="#444444", linewidth=0.5, linestyle=":")
     axes[0].legend(fontsize=7, ncol=3, loc="upper left")
+    axes[1].legend(fontsize=7, ncol=3, loc="lower right")
     fig.suptitle(f"{report.get('command', '')} ({report['started']}); red: pod kills, dotted: quiet points",
                  fontsize=9)
     fig.tight_layout()

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from bench.soak_ais import Bounds, Gate, Kill, Kind, OfflineCopy, Options, Read, Soak, digest, etl_down
-from bench.soak_report import build_report, markdown
+from bench.soak_report import build_report, markdown, write_report
 from bench.soak_watch import HealthProber, Probe, StageWatch
 from tests.httpserve import StaticServer
 from tests.shardgen import make_tar, sealed
@@ -91,6 +91,7 @@ def _error(status: int | None, body: str) -> ShardFetchError:
     (400, '{"message":"Put \\"http://198.51.100.12:30001/b/o.tar\\": dial tcp 198.51.100.12:30001: connect: '
           'connection refused"}', True),
     (400, '{"message":"trying to execute \\"easy URL\\" via AIS target? (hint: use proxy)"}', True),
+    (400, '{"message":"user abort","method":"GET","url_path":"/v1/objects/b/o.tar","status":400}', True),
     (422, "shard 'b/o.tar': not a tar archive", False),
     (400, "invalid etl_args field 'preset': unknown preset", False),
     (None, "connection failed: refused", True),
@@ -171,7 +172,7 @@ def _fake_soak(**changes) -> SimpleNamespace:
         sampler=SimpleNamespace(samples=[{"t": T0 + t, "id": p, **idle} for t in (0, 12, 80) for p in processes],
                                 load=[(T0, 1.0, 1.0, 1.0)]),
         stages=SimpleNamespace(transitions=[(T0 + 31, "soak-hpush", "Running", "Aborted")], errors=[]),
-        failures=[], exited={}, setup_s=1.0, panics={})
+        failures=[], exited={}, setup_s=1.0, panics={}, git="abc1234")
     for name, value in changes.items():
         setattr(soak, name, value)
     return soak
@@ -181,12 +182,15 @@ def _probes(milliseconds: float = 5.0, ok: bool = True) -> list[Probe]:
     return [Probe(T0 + i * 0.1, T0 + i * 0.1 + milliseconds / 1000, "soak-hpush-t1", ok) for i in range(200)]
 
 
-def test_a_soak_that_went_well_holds_every_bound() -> None:
+def test_a_soak_that_went_well_holds_every_bound(tmp_path) -> None:
     report = build_report(_fake_soak(), _probes(), (1.0, 1.0, 1.0))
     assert report["passed"], report["criteria"]
     assert report["samples"] == {"delivered": 80, "lost": 0, "wrong": 0, "withheld_named": 0}
     assert "| samples delivered | 80: 0 lost, 0 wrong |" in markdown(report)
-    json.dumps(report)  # all of it can be written
+    assert report["health"]["series"][0] == [0.0, 100, 5.0, 5.0, 5.0]  # 10 s: 100 probes of 5 ms
+    write_report(report, tmp_path)
+    assert json.loads((tmp_path / "results.json").read_text())["passed"]
+    assert (tmp_path / "results.png").stat().st_size > 10_000
 
 
 def _worse(soak: SimpleNamespace, what: str) -> list[Probe]:
