@@ -295,25 +295,29 @@ def test_bad_durations(text: str) -> None:
 
 @pytest.fixture
 def eight_cpus(monkeypatch: pytest.MonkeyPatch):
-    """An 8-CPU affinity mask and a controllable /sys/fs/cgroup/cpu.max."""
+    """An 8-CPU affinity mask and controllable cgroup files: ``set(cpu_max, v1=(quota, period))``."""
     monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: set(range(8)))
 
-    def set_cpu_max(text: str | None) -> None:
+    def set_files(cpu_max: str | None, v1: tuple[str, str] | None = None) -> None:
+        files = {"/sys/fs/cgroup/cpu.max": cpu_max}
+        if v1 is not None:
+            files.update({"/sys/fs/cgroup/cpu/cpu.cfs_quota_us": v1[0], "/sys/fs/cgroup/cpu/cpu.cfs_period_us": v1[1]})
+
         def fake_open(path, *args, **kwargs):
-            assert path == "/sys/fs/cgroup/cpu.max"
-            if text is None:
+            assert path.startswith("/sys/fs/cgroup/"), path
+            if files.get(path) is None:
                 raise FileNotFoundError(path)
-            return io.StringIO(text)
+            return io.StringIO(files[path])
 
         monkeypatch.setattr(config, "open", fake_open, raising=False)
 
-    return set_cpu_max
+    return set_files
 
 
 @pytest.mark.parametrize(
     "cpu_max, cpus",
     [
-        (None, 8),  # no cgroup v2 file (cgroup v1 or bare metal): the affinity mask
+        (None, 8),  # no cgroup file at all (bare metal): the affinity mask
         ("max 100000\n", 8),  # no quota
         ("200000 100000\n", 2),
         ("150000 100000\n", 2),  # 1.5 CPUs rounds up: a fractional CPU is still worth a thread
@@ -327,6 +331,23 @@ def eight_cpus(monkeypatch: pytest.MonkeyPatch):
 )
 def test_cgroup_cpu_max(eight_cpus, cpu_max: str | None, cpus: int) -> None:
     eight_cpus(cpu_max)
+    assert available_cpus() == cpus
+
+
+@pytest.mark.parametrize(
+    "quota, period, cpus",
+    [
+        ("-1\n", "100000\n", 8),  # no quota
+        ("200000\n", "100000\n", 2),  # a kubelet's limit of 2 CPUs on a cgroup v1 node
+        ("150000\n", "100000\n", 2),
+        ("50000\n", "100000\n", 1),
+        ("1600000\n", "100000\n", 8),
+        ("x\n", "100000\n", 8),
+        ("100000\n", "0\n", 8),
+    ],
+)
+def test_cgroup_v1_cfs_quota(eight_cpus, quota: str, period: str, cpus: int) -> None:
+    eight_cpus(None, v1=(quota, period))
     assert available_cpus() == cpus
 
 

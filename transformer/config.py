@@ -90,16 +90,31 @@ def parse_duration(text: str, name: str) -> float:
 
 
 def available_cpus() -> int:
-    """CPUs this process may use: the affinity mask, capped by a cgroup v2 CPU quota (K8s limits)."""
+    """CPUs this process may use: the affinity mask, capped by the cgroup's CPU quota (a K8s CPU limit), read from
+    cgroup v2's ``cpu.max`` or, on a cgroup v1 node, ``cpu.cfs_quota_us`` and ``cpu.cfs_period_us``."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = _cpu_quota()
+    if quota is not None:
+        cpus = min(cpus, max(1, math.ceil(quota)))
+    return max(1, cpus)
+
+
+def _cpu_quota() -> float | None:
+    """The cgroup's CPU quota in CPUs, or None when there is none (or none can be read)."""
     try:
         with open("/sys/fs/cgroup/cpu.max") as f:
             quota, period = f.read().split()
-        if quota != "max":
-            cpus = min(cpus, max(1, int(-(-int(quota) // int(period)))))
+        return None if quota == "max" else int(quota) / int(period)
     except (OSError, ValueError):
         pass
-    return max(1, cpus)
+    try:
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us") as f:
+            quota = int(f.read())
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_period_us") as f:
+            period = int(f.read())
+        return None if quota <= 0 or period <= 0 else quota / period  # -1: no quota
+    except (OSError, ValueError):
+        return None
 
 
 @dataclass(frozen=True)
