@@ -28,7 +28,7 @@ from transformer.client import (
 )
 
 from .conftest import owner_of, settings
-from .test_register import running_pods, stage, wait_stage
+from .test_register import stage, wait_stage
 
 pytestmark = [pytest.mark.ais, pytest.mark.ais_etl]
 BAD_AT, SAMPLES = 18, 24
@@ -196,7 +196,7 @@ def test_pod_killed_mid_shard_is_an_error_for_the_reader_and_aborts_the_etl(etl_
     try:
         (url,) = shard_urls(etl_client, "fail-big", name, names=["big.tar"], etl_args={"dtype": "uint8"})
         owner = owner_of(etl_cluster, "fail-big", "big.tar")
-        pod = next(p for p in running_pods(etl_cluster, name) if p.host == f"198.51.100.1{owner + 1}")
+        pod = etl_cluster.pod_on_target(name, owner)
         samples = shard_samples(open_shard(url), url)
         got = [next(samples) for _ in range(3)]  # the pod is mid-shard: its output far exceeds the socket buffers
         etl_cluster.kube.oom_kill(pod)

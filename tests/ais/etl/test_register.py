@@ -4,6 +4,7 @@ removal, and an ETL brought back from every stage AIS has (after ``stop``, after
 from __future__ import annotations
 
 import time
+from urllib.parse import urlparse
 
 import pytest
 
@@ -46,7 +47,9 @@ def test_register_each_comm_type_runs_one_pod_per_target(etl_client, etl_cluster
         assert first.created
         assert stage(etl_client, name) == "Running"
         pods = running_pods(etl_cluster, name)
-        assert sorted(pod.host for pod in pods) == ["198.51.100.11", "198.51.100.12"]  # one per target node
+        assert sorted(etl_cluster.target_of(pod) for pod in pods) == [0, 1]  # one per target, on its node:
+        assert all(pod.host == urlparse(etl_cluster.targets[etl_cluster.target_of(pod)].data_url).hostname
+                   for pod in pods)
         env = {e["name"]: e["value"] for e in pods[0].obj["spec"]["containers"][0]["env"]}
         assert env["AIS_TARGET_URL"].startswith("http://198.51.100.1")
         assert "/v1/etl/_object/" + name + "/" in env["AIS_TARGET_URL"]
