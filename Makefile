@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= server,client,demo,bench,dali,test
 
-.PHONY: install demo test aisnode ais-etl image test-image gpu-wheels lint clean
+.PHONY: install demo test aisnode ais-etl image test-image test-k8s gpu-wheels lint clean
 
 install: $(VENV)/.installed
 
@@ -35,6 +35,12 @@ image:
 # The image's own tests, then the whole real-ETL suite with every ETL pod a podman container of the image.
 test-image: install image
 	AIS_WDS_POD_RUNTIME=container $(PY) -m pytest -q -m 'image or ais_etl' tests/image tests/ais/etl
+
+# The real-ETL suite on a real single-node Kubernetes (tests/ais/k8s): its binaries built or fetched once into
+# ~/.cache/ais-wds-transformer, the image pushed to the node's registry, every ETL pod scheduled and run by it.
+test-k8s: install image
+	$(PY) -m tests.ais.k8s.build
+	AIS_WDS_KUBE=real $(PY) -m pytest -q -m 'ais_etl or k8s' tests/ais/etl
 
 # A real AIS with ETL (one proxy, two targets, a fake Kubernetes) in a network namespace, until Ctrl-C.
 ais-etl: install

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import tarfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,11 +31,16 @@ from transformer.client import EtlSettings, register, unregister
 
 from .secret_last import _secret_watches_the_cluster, secret_checked_last  # noqa: F401 (the secret, checked last)
 
+REAL_KUBERNETES = os.environ.get("AIS_WDS_KUBE") == "real"  # make test-k8s
 IMAGE = "ais-wds-transformer:test"  # process pods: wds-transform serve; container pods: the built image (pods.py)
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
+    only_k8s = [item for item in items if item.get_closest_marker("k8s")]
+    if only_k8s and "k8s" not in (config.option.markexpr or ""):  # they need a real Kubernetes: make test-k8s
+        config.hook.pytest_deselected(items=only_k8s)
+        items[:] = [item for item in items if item not in only_k8s]
     etl = [item for item in items if here in Path(str(item.path)).parents]
     if etl:
         rest = [item for item in items if here not in Path(str(item.path)).parents]
@@ -43,6 +49,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
 @pytest.fixture(scope="package")
 def etl_cluster(aisnode: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtlCluster]:
+    if REAL_KUBERNETES:
+        yield from _on_real_kubernetes(aisnode, tmp_path_factory)
+        return
     try:
         namespace = enter_network_namespace(list(NODES.values()))
     except NamespaceUnavailable as exc:
@@ -74,6 +83,37 @@ def etl_cluster(aisnode: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
             namespace.leave()
 
 
+def _on_real_kubernetes(aisnode: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtlCluster]:
+    """The cluster on a real single-node Kubernetes (``tests/ais/k8s``): ETL pods are scheduled by its scheduler and
+    run by its kubelet from the image ``make image`` built, pulled from the node's registry."""
+    from tests.ais.etl_cluster import start_etl_cluster_on
+    from tests.ais.k8s.build import KubernetesUnavailable
+    from tests.ais.k8s.node import start_node
+    from tests.ais.pods import IMAGE as BUILT
+
+    try:
+        node = start_node(tmp_path_factory.mktemp("k8s"), log=lambda message: print(message, flush=True))
+    except KubernetesUnavailable as exc:
+        pytest.fail(str(exc), pytrace=False)
+    node.enter()
+    try:
+        # the names the tests' specs give (docker.io/library/...) and the project's spec (localhost:5000/...)
+        node.push(BUILT, f"library/{IMAGE}", "ais-wds-transformer:0.1.0")
+        cluster = start_etl_cluster_on(node, aisnode, tmp_path_factory.mktemp("ais-etl"))
+        try:
+            yield cluster
+        finally:
+            forced = cluster.stop()
+        assert not forced, "the cluster did not end by itself:\n" + "\n".join(forced)
+        running = [n.role for n in cluster.nodes() if n.process.poll() is None]
+        assert not running, f"left running: aisnode {running}"
+        other = [(pod.name, pod.user) for pod in cluster.kube.started if pod.user != (10001, 0)]
+        assert cluster.kube.started and not other, f"ETL pods not run as the image's user 10001:0: {other}"
+    finally:
+        node.stop()
+        node.leave()
+
+
 @pytest.fixture(scope="package")
 def etl_client(etl_cluster: EtlCluster):
     return etl_cluster.client()
@@ -89,6 +129,8 @@ def settings(comm_type: str = "hpush", **kwargs) -> EtlSettings:
     kwargs.setdefault("obj_timeout", "60s")
     kwargs.setdefault("preset", "imagenet-val")
     kwargs.setdefault("image", IMAGE)
+    if REAL_KUBERNETES:  # a memory limit, so that the kernel's OOM killer ends the pod, not another process
+        kwargs.setdefault("resources", {"requests": {"memory": "256Mi"}, "limits": {"memory": "1536Mi"}})
     return EtlSettings(comm_type=comm_type, **kwargs)
 
 

@@ -1,0 +1,293 @@
+"""The real-ETL suite's view of a real Kubernetes: the same few calls the fake Kubernetes
+(``tests/ais/kube.py``) answers, served by a real node (``node.py``).
+
+The tests ask Kubernetes for the ETL pods of an ETL, which of them run, their address (``hostIP`` and the
+Service's ``nodePort``), the host pid and user of their main process, and their whole logs, deleted pods'
+too; they kill a pod's main process (a node losing it) or have the kernel's OOM killer end it.
+
+Pods are followed by listing them every ``poll`` seconds. The kubelet removes a pod's log files with the
+pod, so each log is copied, as it grows, into ``<root>/pods/<pod>-<uid>/log`` (the message of each CRI log
+line: what the container wrote).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .node import KubeNode
+
+AIS_NODE_IMAGE = "127.0.0.1:5000/ais-wds-pause:1"  # the AIS nodes' own pods: a sandbox and a sleeper
+
+
+def cri_messages(data: bytes) -> bytes:
+    """What a container wrote, from the kubelet's CRI log lines (``<time> <stream> <P|F> <message>``; P: part of
+    a line, F: its end)."""
+    out = []
+    for line in data.splitlines():
+        parts = line.split(b" ", 3)
+        out.append((parts[3] if len(parts) == 4 else b"") + (b"\n" if parts[2:3] == [b"F"] else b""))
+    return b"".join(out)
+
+
+@dataclass
+class RealPod:
+    """One pod as last listed, and where its log is copied."""
+
+    obj: dict
+    folder: Path
+    kube: RealKubernetes
+    static: bool = False
+    gone: bool = False
+    runtime: str = "container"
+    user: tuple[int, int] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.obj["metadata"]["name"]
+
+    @property
+    def uid(self) -> str:
+        return self.obj["metadata"]["uid"]
+
+    @property
+    def host(self) -> str:
+        return self.obj.get("status", {}).get("hostIP", "")
+
+    @property
+    def port(self) -> int:
+        return self.kube.node_port(self.name)
+
+    @property
+    def log(self) -> Path:
+        return self.folder / "log"
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.is_file() else ""
+
+    def container_id(self) -> str:
+        statuses = self.obj.get("status", {}).get("containerStatuses") or [{}]
+        return statuses[0].get("containerID", "").partition("://")[2]
+
+    @property
+    def running(self) -> bool:
+        """Listed, its container running, and its main process alive."""
+        if self.gone:
+            return False
+        statuses = self.obj.get("status", {}).get("containerStatuses") or [{}]
+        return "running" in statuses[0].get("state", {}) and self.pid > 0
+
+    @property
+    def pid(self) -> int:
+        """The host pid of the container's main process (0 if none runs)."""
+        return self.kube.main_pid(self)
+
+
+@dataclass
+class _Runtime:
+    """What the fake's pod runtime answers: the containers left in containerd."""
+
+    kube: RealKubernetes
+    kind: str = "container"
+
+    def leftovers(self) -> list[str]:
+        return self.kube.leftover_containers()
+
+    def remove_all(self) -> None:
+        return None  # the node's pid namespace ends them all
+
+
+@dataclass
+class RealKubernetes:
+    node: KubeNode
+    root: Path
+    namespace: str = "default"
+    poll: float = 0.2
+    pods: dict[str, RealPod] = field(default_factory=dict)  # uid -> pod, deleted ones too
+    started: list[RealPod] = field(default_factory=list)  # every ETL pod whose container started
+    services: dict[str, dict] = field(default_factory=dict)
+    unexpected: list[str] = field(default_factory=list)  # the real API serves every call: always empty
+    runtimes: dict = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _offsets: dict[str, int] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def __post_init__(self) -> None:
+        self.runtime = _Runtime(self)
+        self.session = self.node.session()
+        self.api = f"{self.node.api_url}/api/v1/namespaces/{self.namespace}"
+
+    # -- following the cluster
+    def start(self) -> None:
+        """Start following pods (the caller's thread is in the node's network namespace)."""
+        self.refresh()
+        self._thread = threading.Thread(target=self._follow, name="k8s-follow", daemon=True)
+        self._thread.start()
+
+    def _follow(self) -> None:
+        while not self._stop.wait(self.poll):
+            with contextlib.suppress(Exception):
+                self.refresh()
+
+    def refresh(self) -> None:
+        pods = self.session.get(f"{self.api}/pods", timeout=10).json()["items"]
+        services = self.session.get(f"{self.api}/services", timeout=10).json()["items"]
+        with self._lock:
+            self.services = {s["metadata"]["name"]: s for s in services}
+            listed = set()
+            for obj in pods:
+                uid = obj["metadata"]["uid"]
+                listed.add(uid)
+                pod = self.pods.get(uid)
+                if pod is None:
+                    static = obj["metadata"].get("labels", {}).get("ais-wds-node") == "aisnode"
+                    pod = RealPod(obj, self.root / "pods" / f"{obj['metadata']['name']}-{uid[:8]}", self, static)
+                    pod.folder.mkdir(parents=True, exist_ok=True)
+                    self.pods[uid] = pod
+                pod.obj = obj
+                if not pod.static and pod not in self.started and pod.container_id():
+                    self.started.append(pod)
+                if pod.user is None and pod.container_id():
+                    pod.user = self._user(pod)
+            for uid, pod in self.pods.items():
+                if uid not in listed:
+                    pod.gone = True
+        self._copy_logs()
+
+    def _copy_logs(self) -> None:
+        """Append what each container wrote since the last look (CRI lines: time, stream, tag, message)."""
+        logs = self.node.inside_path("/var/log/pods")
+        for pod in list(self.pods.values()):
+            if pod.static:
+                continue
+            folder = logs / f"{self.namespace}_{pod.name}_{pod.uid}"
+            with contextlib.suppress(OSError):
+                for file in sorted(folder.glob("*/*.log")):
+                    key = str(file)
+                    with open(file, "rb") as source:
+                        source.seek(self._offsets.get(key, 0))
+                        data = source.read()
+                    complete = data.rfind(b"\n") + 1
+                    if not complete:
+                        continue
+                    self._offsets[key] = self._offsets.get(key, 0) + complete
+                    with open(pod.log, "ab") as sink:
+                        sink.write(cri_messages(data[:complete]))
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        with contextlib.suppress(Exception):
+            self.refresh()
+
+    # -- what the tests ask
+    def node_port(self, name: str) -> int:
+        with self._lock:
+            service = self.services.get(name)
+        ports = (service or {}).get("spec", {}).get("ports") or [{}]
+        return int(ports[0].get("nodePort", 0))
+
+    def etl_pods(self) -> list[RealPod]:
+        with self._lock:
+            return [pod for pod in self.pods.values() if not pod.static and not pod.gone]
+
+    def pods_of(self, etl: str) -> list[RealPod]:
+        """The listed ETL pods of ``etl`` (AIS names them ``<etl>-<target id>``)."""
+        return [pod for pod in self.etl_pods() if pod.name.startswith(f"{etl}-")]
+
+    def running_pods(self, etl: str | None = None) -> list[RealPod]:
+        return [pod for pod in (self.pods_of(etl) if etl else self.etl_pods()) if pod.running]
+
+    def wait(self, predicate: Callable[[], object], timeout: float, what: str) -> object:
+        deadline = time.monotonic() + timeout
+        while True:
+            value = predicate()
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Kubernetes: {what} not within {timeout:.0f} s")
+            time.sleep(0.1)
+
+    def container_cgroup(self, pod: RealPod, hierarchy: str = "memory") -> Path | None:
+        container = pod.container_id()
+        if not container:
+            return None
+        base = Path("/sys/fs/cgroup") / hierarchy / self.node.cgroup.strip("/")
+        found = list(base.glob(f"kubepods*/pod{pod.uid}/{container}")) + \
+            list(base.glob(f"kubepods*/*/pod{pod.uid}/{container}"))
+        return found[0] if found else None
+
+    def main_pid(self, pod: RealPod) -> int:
+        """The container's first process (its parent, the shim, is outside the container's cgroup)."""
+        cgroup = self.container_cgroup(pod)
+        if cgroup is None:
+            return 0
+        with contextlib.suppress(OSError):
+            pids = [int(p) for p in (cgroup / "cgroup.procs").read_text().split()]
+            for pid in sorted(pids):
+                with contextlib.suppress(OSError):
+                    stat = Path(f"/proc/{pid}/stat").read_text()
+                    if int(stat.rsplit(")", 1)[1].split()[1]) not in pids:
+                        return pid
+        return 0
+
+    def _user(self, pod: RealPod) -> tuple[int, int] | None:
+        pid = self.main_pid(pod)
+        with contextlib.suppress(OSError):
+            status = Path(f"/proc/{pid}/status").read_text()
+            fields = {line.split(":")[0]: line.split()[1] for line in status.splitlines() if ":" in line}
+            return int(fields["Uid"]), int(fields["Gid"])
+        return None
+
+    def kill(self, pod: RealPod) -> None:
+        """SIGKILL the container's main process, as a node that loses it would."""
+        os.kill(pod.pid, signal.SIGKILL)
+
+    def oom_kill(self, pod: RealPod) -> None:
+        """Have the kernel's OOM killer end the pod's main process under its memory limit: the main process is
+        made the first choice (``oom_score_adj`` 1000), then a process run in the container (``kubectl exec``)
+        allocates until the container's cgroup is out of memory."""
+        limit = pod.obj["spec"]["containers"][0].get("resources", {}).get("limits", {}).get("memory")
+        if not limit:
+            raise ValueError(f"pod {pod.name} has no memory limit: an OOM kill would be the whole node's")
+        Path(f"/proc/{pod.pid}/oom_score_adj").write_text("1000")
+        hog = "b=[]\nwhile True: b.append(bytearray(16 << 20))"
+        self.node.kubectl("exec", pod.name, "--", "python", "-c", hog, check=False, timeout=120)
+
+    def leftover_containers(self) -> list[str]:
+        """Containers containerd still runs (the tasks of the node's k8s.io namespace)."""
+        ctr = [str(self.node.tools.ctr), "--address", str(self.node.inside_path("/run/containerd/containerd.sock")),
+               "-n", "k8s.io", "tasks", "list", "-q"]
+        done = subprocess.run(ctr, capture_output=True, text=True, timeout=30)
+        return done.stdout.split()
+
+    # -- the AIS nodes' own pods
+    def add_static_pod(self, name: str, node: str, volumes: list[tuple[str, str]]) -> None:
+        """An AIS node's own pod (``$MY_POD``): a sleeper on the node, its volumes those the ETL pods copy."""
+        obj = {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": self.namespace,
+                         "labels": {"app": "ais", "ais-wds-node": "aisnode"}},
+            "spec": {"nodeName": node, "terminationGracePeriodSeconds": 0, "automountServiceAccountToken": False,
+                     "containers": [{"name": "ais-node", "image": AIS_NODE_IMAGE,
+                                     "volumeMounts": [{"name": n, "mountPath": p} for n, p in volumes]}],
+                     "volumes": [{"name": n, "hostPath": {"path": p, "type": "Directory"}} for n, p in volumes]},
+        }
+        response = self.session.post(f"{self.api}/pods", data=json.dumps(obj), timeout=10,
+                                     headers={"Content-Type": "application/json"})
+        response.raise_for_status()
+
+    def delete_static_pods(self) -> None:
+        for pod in list(self.pods.values()):
+            if pod.static and not pod.gone:
+                self.session.delete(f"{self.api}/pods/{pod.name}", timeout=10, params={"gracePeriodSeconds": 0})
