@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= server,client,demo,bench,dali,test
 
-.PHONY: install demo test aisnode ais-etl image test-image gpu-wheels lint clean
+.PHONY: install demo test aisnode k8s-tools ais-etl image test-image gpu-wheels lint clean
 
 install: $(VENV)/.installed
 
@@ -26,6 +26,11 @@ test: install
 
 aisnode: install
 	$(PY) -m tests.ais.cluster --build-only
+
+# A real single-node Kubernetes' binaries (Kubernetes built with Go from the module proxy, containerd, etcd and the
+# registry from Debian packages), made once into ~/.cache/ais-wds-transformer (tests/ais/k8s/build.py).
+k8s-tools: install
+	$(PY) -m tests.ais.k8s.build
 
 # The pod's image from the Dockerfile: Docker where an engine runs, else buildah as root (scripts/image.py says
 # which base and torch index it picks, and why). Tagged localhost/ais-wds-transformer:dev.
