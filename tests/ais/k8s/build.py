@@ -30,6 +30,7 @@ itself.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -39,7 +40,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -416,18 +417,12 @@ def install_kubernetes(timeout: float = 1800.0, log: Log | None = None) -> Tools
         return _tools(cache)
 
 
-class _locked:
+@contextlib.contextmanager
+def _locked(cache: Path) -> Iterator[None]:
     """An exclusive lock on the cache, so that concurrent runs make each part once."""
-
-    def __init__(self, cache: Path) -> None:
-        self.path = cache / ".lock"
-
-    def __enter__(self) -> None:
-        self.file = open(self.path, "w")  # noqa: SIM115 (held until __exit__)
-        fcntl.flock(self.file, fcntl.LOCK_EX)
-
-    def __exit__(self, *exc: object) -> None:
-        self.file.close()
+    with open(cache / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _run(command: list[str], env: dict[str, str], cwd: Path, deadline: float) -> subprocess.CompletedProcess:
