@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= server,client,demo,bench,dali,test
 
-.PHONY: install demo test aisnode ais-etl image test-image test-k8s gpu-wheels lint clean
+.PHONY: install demo test aisnode k8s-tools ais-etl image test-image test-k8s gpu-wheels lint clean
 
 install: $(VENV)/.installed
 
@@ -27,6 +27,11 @@ test: install
 aisnode: install
 	$(PY) -m tests.ais.cluster --build-only
 
+# A real single-node Kubernetes' binaries (Kubernetes built with Go from the module proxy, containerd, etcd and the
+# registry from Debian packages), made once into ~/.cache/ais-wds-transformer (tests/ais/k8s/build.py).
+k8s-tools: install
+	$(PY) -m tests.ais.k8s.build
+
 # The pod's image from the Dockerfile: Docker where an engine runs, else buildah as root (scripts/image.py says
 # which base and torch index it picks, and why). Tagged localhost/ais-wds-transformer:dev.
 image:
@@ -38,8 +43,7 @@ test-image: install image
 
 # The real-ETL suite on a real single-node Kubernetes (tests/ais/k8s): its binaries built or fetched once into
 # ~/.cache/ais-wds-transformer, the image pushed to the node's registry, every ETL pod scheduled and run by it.
-test-k8s: install image
-	$(PY) -m tests.ais.k8s.build
+test-k8s: install image k8s-tools
 	AIS_WDS_KUBE=real $(PY) -m pytest -q -m 'ais_etl or k8s' tests/ais/etl
 
 # A real AIS with ETL (one proxy, two targets, a fake Kubernetes) in a network namespace, until Ctrl-C.

@@ -1,0 +1,146 @@
+"""What build.py writes and when it builds again, without Go, network or apt (the build itself: make k8s-tools)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.ais.k8s import build
+
+KUBERNETES_GO_MOD = """\
+module k8s.io/kubernetes
+
+go 1.24.0
+
+require (
+	k8s.io/api v0.0.0
+	k8s.io/client-go v0.0.0
+)
+
+replace (
+	k8s.io/api => ./staging/src/k8s.io/api
+	k8s.io/client-go => ./staging/src/k8s.io/client-go
+	k8s.io/kubelet => ./staging/src/k8s.io/kubelet
+	k8s.io/sample-cli-plugin => ./staging/src/k8s.io/sample-cli-plugin
+	k8s.io/sample-controller => ./staging/src/k8s.io/sample-controller
+	github.com/example/fork => github.com/example/fork v1.2.3
+)
+
+replace k8s.io/cri-api => ./staging/src/k8s.io/cri-api
+"""
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_staging_replaces_are_read_from_the_go_mod_less_the_unserved_ones() -> None:
+    assert build.staging_replaces(KUBERNETES_GO_MOD) == [
+        "k8s.io/api", "k8s.io/client-go", "k8s.io/cri-api", "k8s.io/kubelet",
+    ]
+
+
+def test_go_mod_requires_kubernetes_and_replaces_each_staging_module() -> None:
+    text = build.go_mod_text(["k8s.io/client-go", "k8s.io/api"])
+    lines = [line.strip() for line in text.splitlines()]
+    assert "require k8s.io/kubernetes v1.34.4" in lines
+    assert "k8s.io/api => k8s.io/api v0.34.4" in lines
+    assert "k8s.io/client-go => k8s.io/client-go v0.34.4" in lines
+    assert sum("=>" in line for line in lines) == 2
+    assert lines[0].startswith("module ") and "go 1.24.0" in lines
+
+
+def test_tools_go_imports_each_command_under_the_tools_tag() -> None:
+    text = build.tools_go_text()
+    assert text.startswith("//go:build tools\n")
+    for command in ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kube-proxy", "kubelet", "kubectl"):
+        assert f'_ "k8s.io/kubernetes/cmd/{command}"' in text
+
+
+def test_ldflags_stamp_the_version_where_kubectl_and_the_servers_read_it() -> None:
+    flags = build.ldflags().split(" -X ")
+    for package in ("k8s.io/client-go/pkg/version", "k8s.io/component-base/version"):
+        assert f"{package}.gitVersion=v1.34.4" in flags
+        assert f"{package}.gitMajor=1" in flags
+        assert f"{package}.gitMinor=34" in flags
+
+
+def _fake_cache(cache: Path) -> None:
+    """Every file a finished build leaves, each part stamped as it would be made now."""
+    bin_dir, root = cache / "bin", cache / "debs" / "root"
+    for path in [*(bin_dir / name for name in build.COMMANDS.values()), bin_dir / "pause"]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("")
+    for name in ("containerd", "containerd-shim-runc-v2", "ctr", "etcd", "etcdctl", "docker-registry"):
+        (root / "usr/bin").mkdir(parents=True, exist_ok=True)
+        (root / "usr/bin" / name).write_text("")
+    (root / "usr/sbin").mkdir(parents=True)
+    (root / "usr/sbin/runc").write_text("")
+    (root / "usr/lib/cni").mkdir(parents=True)
+    for plugin in build.CNI_PLUGINS:
+        (root / "usr/lib/cni" / plugin).write_text("")
+    (bin_dir / "kubernetes.build").write_text(build.kubernetes_stamp())
+    (bin_dir / "pause.build").write_text(build.pause_stamp())
+    (cache / "debs" / "root.stamp").write_text(build.debs_stamp(build.deb_packages()))
+
+
+def _no_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(build, "find_go", lambda: None)
+
+
+def test_a_finished_build_is_reused_without_go(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cache(cache)
+    _no_go(monkeypatch)
+    tools = build.install_kubernetes()
+    assert tools.kubelet == cache / "bin" / "kubelet"
+    assert tools.containerd_shim == cache / "debs/root/usr/bin/containerd-shim-runc-v2"
+    assert all(path.is_absolute() and path.exists() for path in tools.paths().values())
+    assert tools.version == "v1.34.4"
+    assert build.pause_binary() == cache / "bin" / "pause"
+
+
+def test_a_changed_kubernetes_stamp_means_a_rebuild(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cache(cache)
+    _no_go(monkeypatch)
+    (cache / "bin" / "kubernetes.build").write_text(build.kubernetes_stamp().replace("v1.34.4", "v1.34.3"))
+    assert build.cached_tools() is None
+    with pytest.raises(build.KubernetesUnavailable, match=r"Go >= 1\.24") as error:
+        build.install_kubernetes()
+    assert "Kubernetes v1.34.4" in str(error.value) and "https://go.dev/dl" in str(error.value)
+
+
+def test_a_missing_binary_means_a_rebuild(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cache(cache)
+    _no_go(monkeypatch)
+    (cache / "bin" / "kube-scheduler").unlink()
+    with pytest.raises(build.KubernetesUnavailable, match=r"Go >= 1\.24"):
+        build.install_kubernetes()
+
+
+def test_a_changed_pause_source_means_a_rebuild(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cache(cache)
+    _no_go(monkeypatch)
+    monkeypatch.setattr(build, "PAUSE_SOURCE", build.PAUSE_SOURCE + "\n// changed\n")
+    with pytest.raises(build.KubernetesUnavailable, match=r"Go >= 1\.24"):
+        build.pause_binary()
+
+
+def test_a_changed_package_list_means_a_new_unpack(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cache(cache)
+    monkeypatch.setitem(build.DEBS, "containerd", "1.7.0-1")
+    monkeypatch.setattr(build, "_debian_tools", lambda: None)
+    with pytest.raises(build.KubernetesUnavailable, match=r"containerd=1\.7\.0-1"):
+        build.install_kubernetes()
+
+
+def test_without_apt_the_error_names_each_package_and_version(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cache(cache)
+    (cache / "debs" / "root.stamp").unlink()
+    monkeypatch.setattr(build, "_debian_tools", lambda: None)
+    with pytest.raises(build.KubernetesUnavailable) as error:
+        build.install_kubernetes()
+    for name, version in build.DEBS.items():
+        assert f"{name}={version}" in str(error.value)
