@@ -40,7 +40,7 @@ from pathlib import Path
 
 import requests
 
-from .build import Tools, cache_dir, install_kubernetes, pause_binary
+from .build import KubernetesUnavailable, Tools, cache_dir, install_kubernetes, pause_binary
 
 NODE = "ais-node"
 NODE_IP = "198.51.100.10"
@@ -54,10 +54,6 @@ CLONE_NEWNET = 0x40000000
 # Files under /proc/sys the kubelet writes at start that are not per network namespace: shadowed by copies.
 HOST_SYSCTLS = ("vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic", "kernel/panic_on_oops",
                 "kernel/keys/root_maxkeys", "kernel/keys/root_maxbytes")
-
-
-class KubernetesUnavailable(RuntimeError):
-    """The real Kubernetes could not start; the message says what failed and where its log is."""
 
 
 @dataclass
@@ -263,7 +259,7 @@ def start_node(root: Path, tools: Tools | None = None, timeout: float = 120.0, l
     (root / "logs").mkdir(exist_ok=True)
     cgroup = f"/ais-wds-k8s-{os.getpid()}"
     make_cgroup_root(cgroup)
-    config = Config(str(root), str(cache), cgroup, {k: str(v) for k, v in asdict(tools).items()}, str(pause))
+    config = Config(str(root), str(cache), cgroup, {k: str(v) for k, v in tools.paths().items()}, str(pause))
     (root / "config.json").write_text(json.dumps(asdict(config), indent=1))
     unshare = shutil.which("unshare") or "/usr/bin/unshare"
     command = [unshare, "--net", "--mount", "--pid", "--fork", "--mount-proc", "--propagation", "private", "--",
