@@ -57,9 +57,11 @@ LABEL org.opencontainers.image.title="ais-wds-transformer" \
       org.opencontainers.image.licenses="MIT" \
       org.opencontainers.image.base.name="${BASE_IMAGE}"
 WORKDIR /
-# Bytecode is compiled at install time. `pip check`: the package's requirements are all met by the lock.
-RUN --mount=type=bind,from=package,source=/wheels,target=/wheels \
-    pip install --no-deps --no-index --no-cache-dir /wheels/*.whl \
+# The wheel comes in by COPY, whose cache key is its content, so a changed package always rebuilds what is
+# above it (buildah leaves a RUN's bind mount from another stage out of its cache key: the image kept the old
+# package). Bytecode is compiled at install time. `pip check`: the requirements are all met by the lock.
+COPY --from=package /wheels /wheels
+RUN pip install --no-deps --no-index --no-cache-dir /wheels/*.whl \
     && pip check
 # Group 0: AIS targets run as root and create objects 0640 root:root, so an FQN is readable through
 # group 0 without running as root. The runtime spec has no securityContext.

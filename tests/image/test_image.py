@@ -4,6 +4,7 @@ installed package, the termination log, and SIGTERM."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -63,6 +64,21 @@ def test_image_config_is_the_dockerfiles(image: str) -> None:
     assert config["Labels"]["org.opencontainers.image.version"] == version
     assert _inspect(image)["Healthcheck"]["Test"][0] == "CMD"  # kept: the image is built in Docker's format
     assert env["PATH"].split(":")[0] == "/opt/venv/bin" and env["PATH"].split(":").count("/opt/venv/bin") == 1
+
+
+def test_image_holds_this_checkouts_package(image: str) -> None:
+    """Every module of the installed package is the checkout's file, byte for byte: a build that reused a
+    cached layer after a change in transformer/ would test, and ship, the old code."""
+    listing = ("import hashlib, pathlib, transformer; root = pathlib.Path(transformer.__file__).parent; "
+               "print('\\n'.join(f'{p.relative_to(root)} {hashlib.sha256(p.read_bytes()).hexdigest()}' "
+               "for p in sorted(root.rglob('*.py'))))")
+    done = podman("run", "--rm", "--network", "none", "--no-healthcheck", "--pull", "never", "--entrypoint",
+                  "python", image, "-c", listing)
+    installed = dict(line.split() for line in done.stdout.splitlines())
+    package = REPO / "transformer"
+    here = {str(p.relative_to(package)): hashlib.sha256(p.read_bytes()).hexdigest() for p in package.rglob("*.py")}
+    stale = sorted(name for name in here.keys() | installed.keys() if here.get(name) != installed.get(name))
+    assert not stale, f"the image's package differs from this checkout in: {stale} (rebuild: make image)"
 
 
 def test_pod_is_wds_transform_serve_as_uid_10001_gid_0_writing_only_tmp(run_pod) -> None:
