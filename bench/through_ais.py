@@ -91,8 +91,8 @@ def measure(cluster, client, *, shards: int = 8, samples: int = 64, rounds: int 
     owners = {}
     for name in names:
         owners[name] = next(i for i, mp in enumerate(cluster.mountpaths) if Path(_fqn(mp, "bench-src", name)).is_file())
-    pods = {etl: {pod.host: pod for pod in cluster.kube.pods_of(etl)} for kind in kinds.values()
-            for etl in kind["etls"].values()}
+    pods = {etl: {cluster.target_of(pod): pod for pod in cluster.kube.pods_of(etl)} for kind in kinds.values()
+            for etl in kind["etls"].values()}  # ETL -> target index -> its pod
 
     def drain(response: requests.Response) -> int:  # every case reads its bytes the same way
         response.raise_for_status()
@@ -101,7 +101,7 @@ def measure(cluster, client, *, shards: int = 8, samples: int = 64, rounds: int 
     def direct(etl: str):
         def read(name: str) -> int:
             owner = owners[name]
-            pod = pods[etl][f"198.51.100.1{owner + 1}"]
+            pod = pods[etl][owner]
             fqn = quote(quote(_fqn(cluster.mountpaths[owner], "bench-src", name), safe=""), safe="")
             url = f"http://{pod.host}:{pod.port}/bench-src/{name}?etl_fqn={fqn}&etl_args={quote(args, safe='')}"
             with requests.put(url, data=b"", stream=True, timeout=300) as response:

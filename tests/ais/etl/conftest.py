@@ -99,6 +99,7 @@ def _on_real_kubernetes(aisnode: Path, tmp_path_factory: pytest.TempPathFactory)
     try:
         # the names the tests' specs give (docker.io/library/...) and the project's spec (localhost:5000/...)
         node.push(BUILT, f"library/{IMAGE}", "ais-wds-transformer:0.1.0")
+        node.warm(IMAGE)  # its layers unpacked once: each ETL pod's pull (policy Always) is then quick
         cluster = start_etl_cluster_on(node, aisnode, tmp_path_factory.mktemp("ais-etl"))
         try:
             yield cluster
@@ -107,8 +108,9 @@ def _on_real_kubernetes(aisnode: Path, tmp_path_factory: pytest.TempPathFactory)
         assert not forced, "the cluster did not end by itself:\n" + "\n".join(forced)
         running = [n.role for n in cluster.nodes() if n.process.poll() is None]
         assert not running, f"left running: aisnode {running}"
-        other = [(pod.name, pod.user) for pod in cluster.kube.started if pod.user != (10001, 0)]
-        assert cluster.kube.started and not other, f"ETL pods not run as the image's user 10001:0: {other}"
+        seen = [(pod.name, pod.user) for pod in cluster.kube.started if pod.user is not None]  # None: ended unseen
+        other = [(name, user) for name, user in seen if user != (10001, 0)]
+        assert seen and not other, f"ETL pods not run as the image's user 10001:0: {other}"
     finally:
         node.stop()
         node.leave()
@@ -130,7 +132,7 @@ def settings(comm_type: str = "hpush", **kwargs) -> EtlSettings:
     kwargs.setdefault("preset", "imagenet-val")
     kwargs.setdefault("image", IMAGE)
     if REAL_KUBERNETES:  # a memory limit, so that the kernel's OOM killer ends the pod, not another process
-        kwargs.setdefault("resources", {"requests": {"memory": "256Mi"}, "limits": {"memory": "1536Mi"}})
+        kwargs.setdefault("resources", {"requests": {"memory": "256Mi"}, "limits": {"memory": "4Gi"}})
     return EtlSettings(comm_type=comm_type, **kwargs)
 
 

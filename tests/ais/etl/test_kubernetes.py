@@ -24,7 +24,7 @@ from .test_register import etl_job, stage, wait_stage
 
 pytestmark = [pytest.mark.ais, pytest.mark.ais_etl, pytest.mark.k8s]
 
-ONE_CPU = {"requests": {"cpu": "1", "memory": "1536Mi"}, "limits": {"cpu": "1", "memory": "1536Mi"}}
+ONE_CPU = {"requests": {"cpu": "1", "memory": "3Gi"}, "limits": {"cpu": "1", "memory": "3Gi"}}
 
 
 def events(cluster: EtlCluster, pod: str) -> set[tuple[str, str]]:

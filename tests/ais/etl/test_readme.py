@@ -17,6 +17,7 @@ import yaml
 from tests.ais.etl_cluster import EtlCluster
 from transformer.client import unregister
 
+from .conftest import REAL_KUBERNETES
 from .test_register import running_pods, stage, wait_stage
 
 pytestmark = [pytest.mark.ais, pytest.mark.ais_etl]
@@ -72,6 +73,9 @@ class Deploy:
                 return client.bucket(bucket_of(uri)).object(Path(path).name).get_writer().put_file(self.folder / path)
             case ["etl", "init", "-f", path]:
                 message = yaml.safe_load((spec or REPO / path).read_text())
+                if REAL_KUBERNETES:  # the spec's 4 CPUs per pod, on a 2-CPU node: it would never be scheduled
+                    message["resources"] = {kind: {**values, "cpu": "500m"}
+                                            for kind, values in message["resources"].items()}
                 return client.etl(message["name"])._client.request("PUT", path="etl", json=message, timeout=600)
             case ["etl", "show"]:
                 return {info.id: info.stage for info in client.cluster().list_etls()}

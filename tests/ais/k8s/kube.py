@@ -117,6 +117,7 @@ class RealKubernetes:
     unexpected: list[str] = field(default_factory=list)  # the real API serves every call: always empty
     runtimes: dict = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _copying: threading.Lock = field(default_factory=threading.Lock)  # one log copy at a time
     _offsets: dict[str, int] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -161,7 +162,8 @@ class RealKubernetes:
             for uid, pod in self.pods.items():
                 if uid not in listed:
                     pod.gone = True
-        self._copy_logs()
+        with self._copying:
+            self._copy_logs()
 
     def _copy_logs(self) -> None:
         """Append what each container wrote since the last look (CRI lines: time, stream, tag, message)."""

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import requests
 
+from ..cluster import _die_with_parent
 from .build import KubernetesUnavailable, Tools, cache_dir, install_kubernetes, pause_binary
 
 NODE = "ais-node"
@@ -51,6 +52,7 @@ API_PORT = 6443
 REGISTRY = "127.0.0.1:5000"
 PAUSE_IMAGE = f"{REGISTRY}/ais-wds-pause:1"
 CLONE_NEWNET = 0x40000000
+CGROUP_PREFIX = "/ais-wds-k8s-"  # + the test process's pid: the kubelet's cgroup root
 # Files under /proc/sys the kubelet writes at start that are not per network namespace: shadowed by copies.
 HOST_SYSCTLS = ("vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic", "kernel/panic_on_oops",
                 "kernel/keys/root_maxkeys", "kernel/keys/root_maxbytes")
@@ -118,6 +120,16 @@ def _rmdir(folder: Path, timeout: float) -> list[str]:
             time.sleep(0.1)
 
 
+def remove_orphaned_cgroups() -> None:
+    """The cgroup roots of nodes whose test process is gone (killed before its teardown): their pid namespace
+    died with it, so they are empty."""
+    for hierarchy in cgroup_hierarchies():
+        for folder in hierarchy.glob(f"{CGROUP_PREFIX.strip('/')}*"):
+            pid = folder.name.rsplit("-", 1)[-1]
+            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                remove_cgroup_tree(folder, timeout=1.0)
+
+
 def _libc():
     return ctypes.CDLL("libc.so.6", use_errno=True)
 
@@ -160,10 +172,7 @@ class KubeNode:
 
     def session(self) -> requests.Session:
         """An HTTPS session to the API as its admin (the caller's thread must be in the node's network)."""
-        session = requests.Session()
-        session.cert = (str(self.root / "pki" / "admin.crt"), str(self.root / "pki" / "admin.key"))
-        session.verify = str(self.root / "pki" / "ca.crt")
-        return session
+        return admin_session(self.root / "pki")
 
     def inside_path(self, path: str | Path) -> Path:
         """A path as the node's mount namespace sees it (its tmpfs ``/run``, ``/var/log/pods``)."""
@@ -206,6 +215,32 @@ class KubeNode:
                                   preexec_fn=self._enter_netns)
             if done.returncode != 0:
                 raise KubernetesUnavailable(f"podman push {local} -> {REGISTRY}/{name}: {done.stderr.strip()}")
+
+    def warm(self, image: str, timeout: float = 1800) -> float:
+        """Have the kubelet pull ``image`` ahead of the pods, through a pod that runs ``true`` once: the first pull
+        of a 6 GB image (unpacking it) takes minutes, more than an ETL's init_timeout, while later pulls (policy
+        Always) find its layers unpacked. Returns the seconds it took."""
+        started = time.monotonic()
+        name = "ais-wds-image-warm-up"
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+               "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 0,
+                        "containers": [{"name": "warm-up", "image": image, "command": ["true"]}]}}
+        session, api = self.session(), f"{self.api_url}/api/v1/namespaces/default/pods"
+        session.post(api, json=pod, timeout=30).raise_for_status()
+        try:
+            while True:
+                status = session.get(f"{api}/{name}", timeout=30).json().get("status", {})
+                if status.get("phase") == "Succeeded":
+                    return time.monotonic() - started
+                waiting = [c["state"]["waiting"].get("reason") for c in status.get("containerStatuses", [])
+                           if "waiting" in c["state"]]
+                if status.get("phase") == "Failed" or {"ErrImagePull", "ImagePullBackOff"} & set(waiting):
+                    raise KubernetesUnavailable(f"the kubelet could not run {image}: {status}")
+                if time.monotonic() - started > timeout:
+                    raise KubernetesUnavailable(f"the kubelet did not pull and run {image} within {timeout:.0f} s")
+                time.sleep(1)
+        finally:
+            session.delete(f"{api}/{name}", params={"gracePeriodSeconds": 0}, timeout=30)
 
     # -- ending it
     def stop(self) -> list[str]:
@@ -257,16 +292,20 @@ def start_node(root: Path, tools: Tools | None = None, timeout: float = 120.0, l
             from None
     root.mkdir(parents=True, exist_ok=True)
     (root / "logs").mkdir(exist_ok=True)
-    cgroup = f"/ais-wds-k8s-{os.getpid()}"
+    remove_orphaned_cgroups()
+    cgroup = f"{CGROUP_PREFIX}{os.getpid()}"
     make_cgroup_root(cgroup)
     config = Config(str(root), str(cache), cgroup, {k: str(v) for k, v in tools.paths().items()}, str(pause))
     (root / "config.json").write_text(json.dumps(asdict(config), indent=1))
     unshare = shutil.which("unshare") or "/usr/bin/unshare"
-    command = [unshare, "--net", "--mount", "--pid", "--fork", "--mount-proc", "--propagation", "private", "--",
+    # --kill-child: if unshare dies (with the test process, PDEATHSIG), so does the namespace's pid 1, and with it
+    # every process of the node
+    command = [unshare, "--net", "--mount", "--pid", "--fork", "--kill-child=SIGKILL", "--mount-proc",
+               "--propagation", "private", "--",
                sys.executable, "-m", "tests.ais.k8s.node", "--inside", str(root / "config.json")]
     sink = open(root / "logs" / "node.log", "wb")  # noqa: SIM115
     process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT,
-                               cwd=Path(__file__).parents[3], start_new_session=True)
+                               cwd=Path(__file__).parents[3], preexec_fn=_die_with_parent)
     sink.close()
     deadline = time.monotonic() + 10
     inside = 0
@@ -341,6 +380,16 @@ def make_pki(folder: Path) -> None:
         (folder / f"{name}.kubeconfig").write_text(kubeconfig(folder, name))
 
 
+def admin_session(pki: Path) -> requests.Session:
+    """HTTPS to the API as its admin, trusting the node's CA alone (``trust_env`` off: requests would let
+    ``REQUESTS_CA_BUNDLE`` replace ``verify``, and a proxy variable route the call out of the namespace)."""
+    session = requests.Session()
+    session.trust_env = False
+    session.cert = (str(pki / "admin.crt"), str(pki / "admin.key"))
+    session.verify = str(pki / "ca.crt")
+    return session
+
+
 def kubeconfig(folder: Path, user: str) -> str:
     def b64(name: str) -> str:
         return base64.b64encode((folder / name).read_bytes()).decode()
@@ -371,6 +420,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
   sandbox_image = "{PAUSE_IMAGE}"
   # root here lacks CAP_SYS_RESOURCE: runc cannot lower a container's oom_score_adj below its own
   restrict_oom_score_adj = true
+  # the registry keeps the compressed layers: once unpacked, containerd need not keep a second copy
+  discard_unpacked_layers = true
   enable_selinux = false
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
@@ -482,14 +533,17 @@ class Supervisor:
 
     def wait_for(self, what: str, check, timeout: float) -> None:
         deadline = time.monotonic() + timeout
+        last = "not yet"
         while True:
             self.reap()
-            with contextlib.suppress(Exception):
+            try:
                 if check():
                     self.say(f"{what}: ok")
                     return
+            except Exception as exc:  # noqa: BLE001 (not up yet: kept for the message)
+                last = f"{type(exc).__name__}: {exc}"
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{what}: not within {timeout:.0f} s")
+                raise RuntimeError(f"{what}: not within {timeout:.0f} s ({last})")
             time.sleep(0.1)
 
 
@@ -557,10 +611,12 @@ def inside(config_path: Path) -> None:
                      f"--kubelet-client-certificate={pki / 'admin.crt'}",
                      f"--kubelet-client-key={pki / 'admin.key'}",
                      "--kubelet-preferred-address-types=InternalIP", "--allow-privileged=true",
-                     "--enable-admission-plugins=NodeRestriction", "--profiling=false", "--v=1")
-    session = requests.Session()
-    session.cert = (str(pki / "admin.crt"), str(pki / "admin.key"))
-    session.verify = str(pki / "ca.crt")
+                     "--enable-admission-plugins=NodeRestriction", "--profiling=false", "--v=1",
+                     # Debian's etcd 3.4 lets the watch cache fall behind: a watch without a resourceVersion then
+                     # ends within 3 s ("Too large resource version"), and AIS 5.0's pod watcher spins on the
+                     # closed channel (a CPU per ETL and target). Watches served by etcd itself stay open.
+                     "--watch-cache=false")
+    session = admin_session(pki)
     api = f"https://{NODE_IP}:{API_PORT}"
     supervisor.wait_for("apiserver /readyz", lambda: session.get(f"{api}/readyz", timeout=2).ok, 90)
     supervisor.start("kube-controller-manager", tools["controller_manager"],
@@ -656,6 +712,7 @@ def main(argv: list[str]) -> int:
     import tempfile
 
     root = Path(tempfile.mkdtemp(prefix="ais-wds-k8s-"))
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     node = start_node(root, log=print)
     print(f"node Ready; kubectl: nsenter --net=/proc/{node.inside}/ns/net {node.tools.kubectl} "
           f"--kubeconfig={node.kubeconfig()} get nodes\nCtrl-C stops it.", flush=True)
