@@ -255,16 +255,26 @@ class RealKubernetes:
         """SIGKILL the container's main process, as a node that loses it would."""
         os.kill(pod.pid, signal.SIGKILL)
 
-    def oom_kill(self, pod: RealPod) -> None:
-        """Have the kernel's OOM killer end the pod's main process under its memory limit: the main process is
-        made the first choice (``oom_score_adj`` 1000), then a process run in the container (``kubectl exec``)
-        allocates until the container's cgroup is out of memory."""
-        limit = pod.obj["spec"]["containers"][0].get("resources", {}).get("limits", {}).get("memory")
-        if not limit:
+    def oom_kill(self, pod: RealPod, timeout: float = 30.0) -> None:
+        """Have the kernel's OOM killer end the pod's main process at its memory limit, at once: the main process
+        is made the first choice (``oom_score_adj`` 1000), the container's limit is lowered to what it uses now, and
+        the next allocation in the container (the pod's own, mid-shard, or a process run in it with ``kubectl
+        exec``) finds the cgroup out of memory."""
+        limits = pod.obj["spec"]["containers"][0].get("resources", {}).get("limits", {})
+        if not limits.get("memory"):
             raise ValueError(f"pod {pod.name} has no memory limit: an OOM kill would be the whole node's")
-        Path(f"/proc/{pod.pid}/oom_score_adj").write_text("1000")
-        hog = "b=[]\nwhile True: b.append(bytearray(16 << 20))"
-        self.node.kubectl("exec", pod.name, "--", "python", "-c", hog, check=False, timeout=120)
+        pid, cgroup = pod.pid, self.container_cgroup(pod)
+        Path(f"/proc/{pid}/oom_score_adj").write_text("1000")
+        usage = int((cgroup / "memory.usage_in_bytes").read_text())
+        (cgroup / "memory.limit_in_bytes").write_text(str(usage + (1 << 20)))
+        kubectl = [str(self.node.tools.kubectl), f"--kubeconfig={self.node.kubeconfig()}"]
+        exec_ = subprocess.Popen([*kubectl, "exec", pod.name, "--", "python", "-c", "b = bytearray(64 << 20)"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=self.node.enter_netns)
+        try:
+            self.wait(lambda: not Path(f"/proc/{pid}").exists(), timeout, f"the OOM kill of pod {pod.name}")
+        finally:
+            exec_.kill()
+            exec_.wait()
 
     def leftover_containers(self) -> list[str]:
         """Containers containerd still runs (the tasks of the node's k8s.io namespace)."""

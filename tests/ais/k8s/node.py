@@ -160,12 +160,12 @@ class KubeNode:
         """``kubectl`` as the cluster's admin; run inside the node's network namespace."""
         done = subprocess.run([str(self.tools.kubectl), f"--kubeconfig={self.kubeconfig()}", *args],
                               capture_output=True, text=True, timeout=timeout, input=input,
-                              preexec_fn=self._enter_netns)
+                              preexec_fn=self.enter_netns)
         if check and done.returncode != 0:
             raise KubernetesUnavailable(f"kubectl {' '.join(args)} failed ({done.returncode}): {done.stderr.strip()}")
         return done.stdout
 
-    def _enter_netns(self) -> None:  # between fork and exec: the child joins the node's network namespace
+    def enter_netns(self) -> None:  # between fork and exec: the child joins the node's network namespace
         fd = os.open(f"/proc/{self.inside}/ns/net", os.O_RDONLY)
         _libc().setns(fd, CLONE_NEWNET)
         os.close(fd)
@@ -212,7 +212,7 @@ class KubeNode:
         for name in names:
             done = subprocess.run(["podman", "push", "--quiet", "--tls-verify=false", "--format", "v2s2", local,
                                    f"docker://{REGISTRY}/{name}"], capture_output=True, text=True, timeout=1800,
-                                  preexec_fn=self._enter_netns)
+                                  preexec_fn=self.enter_netns)
             if done.returncode != 0:
                 raise KubernetesUnavailable(f"podman push {local} -> {REGISTRY}/{name}: {done.stderr.strip()}")
 
@@ -420,11 +420,11 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
   sandbox_image = "{PAUSE_IMAGE}"
   # root here lacks CAP_SYS_RESOURCE: runc cannot lower a container's oom_score_adj below its own
   restrict_oom_score_adj = true
-  # the registry keeps the compressed layers: once unpacked, containerd need not keep a second copy
-  discard_unpacked_layers = true
   enable_selinux = false
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
+    # the registry keeps the compressed layers: once unpacked, containerd need not keep a second copy
+    discard_unpacked_layers = true
     default_runtime_name = "runc"
     [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
