@@ -48,7 +48,8 @@ message: the file the container wrote at its termination-message path or, under
 ``terminationMessagePolicy: FallbackToLogsOnError`` (which AIS sets) and a failure, the end of its
 log (80 lines, 2048 bytes at most), as the kubelet does. Pods are not restarted. Not modelled:
 scheduling on resources, image pulls, resource limits, restarts, probes other than ``/health``, and
-the NodePort proxy.
+the NodePort proxy. ``make test-k8s`` runs the same suite on a real Kubernetes (``tests/ais/k8s/``);
+docs/kubernetes.md says where the two agree and where they do not.
 """
 
 from __future__ import annotations

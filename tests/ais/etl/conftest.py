@@ -8,7 +8,8 @@ and leaves it when the package ends; the ``ais_etl`` tests are moved to the end 
 process that cannot leave (an unprivileged user namespace) runs nothing else inside it. At the end
 the fixture checks that no aisnode and no pod process is left, and that AIS asked the fake
 Kubernetes for nothing it does not serve. Without the privileges a network namespace needs, these
-tests fail with the reason, never skip.
+tests fail with the reason, never skip. With ``AIS_WDS_KUBE=real`` (``make test-k8s``) the same tests run
+on a real single-node Kubernetes instead (``tests/ais/k8s/``), and ``test_kubernetes.py`` joins them.
 """
 
 from __future__ import annotations
