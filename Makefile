@@ -22,7 +22,7 @@ demo: install
 # The 'ais' tests (part of `make test`) run a real AIStore on 127.0.0.1: aisnode is built once with Go >= 1.26
 # into ~/.cache/ais-wds-transformer (tests/ais/cluster.py); `make aisnode` builds it ahead of a test run.
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 aisnode: install
 	$(PY) -m tests.ais.cluster --build-only
