@@ -269,7 +269,13 @@ def _disks_root(runtimes: list[PodRuntime]) -> Path | None:
 
 
 def _make_disks() -> Path:
-    disks = Path(tempfile.mkdtemp(prefix="ais-wds-disks-", dir="/var/tmp"))
+    """``/var/tmp/ais-wds-disks-<pid>-*``; those of test processes that no longer exist (killed before their
+    teardown) are removed first."""
+    for old in Path("/var/tmp").glob("ais-wds-disks-*-*"):
+        pid = old.name.split("-")[3]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(old, ignore_errors=True)
+    disks = Path(tempfile.mkdtemp(prefix=f"ais-wds-disks-{os.getpid()}-", dir="/var/tmp"))
     disks.chmod(0o750)
     return disks
 
