@@ -280,6 +280,26 @@ def _make_disks() -> Path:
     return disks
 
 
+def _abandon(nodes: list[Node], kube, disks: Path | None) -> None:
+    """A start that failed half-way: kill the aisnodes started so far, stop the Kubernetes view, drop the disks."""
+    for node in nodes:
+        node.process.kill()
+        node.process.wait()
+    kube.stop()
+    if disks is not None:
+        shutil.rmtree(disks, ignore_errors=True)
+
+
+def _ready(cluster: EtlCluster, timeout: float) -> EtlCluster:
+    """The cluster once two targets have joined; stopped if they do not."""
+    try:
+        wait_ready(cluster.proxy, cluster.targets, cluster.root, cluster.logs, timeout)
+    except BaseException:
+        cluster.stop(timeout=5)
+        raise
+    return cluster
+
+
 def start_etl_cluster(binary: Path, root: Path, timeout: float = 120.0, runtime: PodRuntime | None = None,
                       runtimes: dict[str, PodRuntime] | None = None) -> EtlCluster:
     """Start the fake Kubernetes and the three nodes under ``root``; wait until two targets have joined.
@@ -319,19 +339,9 @@ def start_etl_cluster(binary: Path, root: Path, timeout: float = 120.0, runtime:
                                      env(f"node-{index}", f"ais-target-{index}"), mountpath_root=disk))
         cluster = EtlCluster(root, kube, nodes[0], nodes[1:], mountpaths, kube_port, disks)
     except BaseException:
-        for node in nodes:
-            node.process.kill()
-            node.process.wait()
-        kube.stop()
-        if disks is not None:
-            shutil.rmtree(disks, ignore_errors=True)
+        _abandon(nodes, kube, disks)
         raise
-    try:
-        wait_ready(cluster.proxy, cluster.targets, cluster.root, cluster.logs, timeout)
-    except BaseException:
-        cluster.stop(timeout=5)
-        raise
-    return cluster
+    return _ready(cluster, timeout)
 
 
 # RBAC for what AIS does with Kubernetes: its own pod, the ETL pods and Services it creates, watches, reads
@@ -402,18 +412,9 @@ def start_etl_cluster_on(node: KubeNode, binary: Path, root: Path, timeout: floa
                                      env(f"ais-target-{index}"), mountpath_root=disk, host=NODE_IP))
         cluster = EtlCluster(root, kube, nodes[0], nodes[1:], mountpaths, API_PORT, disks, node)
     except BaseException:
-        for started in nodes:
-            started.process.kill()
-            started.process.wait()
-        kube.stop()
-        shutil.rmtree(disks, ignore_errors=True)
+        _abandon(nodes, kube, disks)
         raise
-    try:
-        wait_ready(cluster.proxy, cluster.targets, cluster.root, cluster.logs, timeout)
-    except BaseException:
-        cluster.stop(timeout=5)
-        raise
-    return cluster
+    return _ready(cluster, timeout)
 
 
 def main() -> int:

@@ -195,6 +195,18 @@ def status_body(code: int, reason: str, message: str, kind: str = "", name: str 
             "reason": reason, "details": {"name": name, "kind": kind}, "code": code}
 
 
+def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float) -> object:
+    """``predicate()``'s first true value, asked every ``interval`` s; a TimeoutError naming ``what`` after that."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not within {timeout:.0f} s")
+        time.sleep(interval)
+
+
 @dataclass
 class Pod:
     """One pod: its object as the API shows it, and, once scheduled, the container that runs it."""
@@ -314,14 +326,7 @@ class FakeKubernetes:
         return [pod for pod in self.etl_pods() if pod.name.startswith(f"{etl}-")]
 
     def wait(self, predicate: Callable[[], object], timeout: float, what: str) -> object:
-        deadline = time.monotonic() + timeout
-        while True:
-            value = predicate()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"fake Kubernetes: {what} not within {timeout:.0f} s")
-            time.sleep(0.05)
+        return wait_until(predicate, timeout, f"fake Kubernetes: {what}", 0.05)
 
     # -- state changes (under the lock) ----------------------------------------------------------------
 

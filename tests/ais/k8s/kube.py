@@ -18,11 +18,11 @@ import os
 import signal
 import subprocess
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..kube import wait_until
 from .node import KubeNode
 
 AIS_NODE_IMAGE = "127.0.0.1:5000/ais-wds-pause:1"  # the AIS nodes' own pods: a sandbox and a sleeper
@@ -211,14 +211,7 @@ class RealKubernetes:
         return [pod for pod in (self.pods_of(etl) if etl else self.etl_pods()) if pod.running]
 
     def wait(self, predicate: Callable[[], object], timeout: float, what: str) -> object:
-        deadline = time.monotonic() + timeout
-        while True:
-            value = predicate()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"Kubernetes: {what} not within {timeout:.0f} s")
-            time.sleep(0.1)
+        return wait_until(predicate, timeout, f"Kubernetes: {what}", 0.1)
 
     def container_cgroup(self, pod: RealPod, hierarchy: str = "memory") -> Path | None:
         container = pod.container_id()
