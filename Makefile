@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= server,client,demo,bench,dali,test
+TEST_WORKERS ?= 2  # make test: pytest-xdist workers; --dist loadfile keeps each test file on one worker
 
 .PHONY: install demo test aisnode k8s-tools ais-etl image test-image test-k8s gpu-wheels lint clean
 
@@ -22,7 +23,7 @@ demo: install
 # The 'ais' tests (part of `make test`) run a real AIStore on 127.0.0.1: aisnode is built once with Go >= 1.26
 # into ~/.cache/ais-wds-transformer (tests/ais/cluster.py); `make aisnode` builds it ahead of a test run.
 test: install
-	$(PY) -m pytest -q --durations=30
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30
 
 aisnode: install
 	$(PY) -m tests.ais.cluster --build-only
