@@ -230,6 +230,12 @@ def local_config(folder: Path, ports: tuple[int, int, int], mountpath_root: Path
     }
 
 
+def owner_gone(pid: str) -> bool:
+    """Whether ``pid``, the test process named in a leftover's name or label, is a number and no process now:
+    what a run killed before its teardown left is removed by the next run."""
+    return pid.isdigit() and not Path(f"/proc/{pid}").exists()
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

@@ -40,7 +40,17 @@ from typing import TYPE_CHECKING
 
 from tests.tlscerts import make_tls_files
 
-from .cluster import Node, _die_with_parent, _node_env, cluster_config, free_ports, local_config, stop_nodes, wait_ready
+from .cluster import (
+    Node,
+    _die_with_parent,
+    _node_env,
+    cluster_config,
+    free_ports,
+    local_config,
+    owner_gone,
+    stop_nodes,
+    wait_ready,
+)
 from .kube import FakeKubernetes
 from .pods import ContainerRuntime, PodRuntime, ProcessRuntime
 
@@ -272,8 +282,7 @@ def _make_disks() -> Path:
     """``/var/tmp/ais-wds-disks-<pid>-*``; those of test processes that no longer exist (killed before their
     teardown) are removed first."""
     for old in Path("/var/tmp").glob("ais-wds-disks-*-*"):
-        pid = old.name.split("-")[3]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+        if owner_gone(old.name.split("-")[3]):
             shutil.rmtree(old, ignore_errors=True)
     disks = Path(tempfile.mkdtemp(prefix=f"ais-wds-disks-{os.getpid()}-", dir="/var/tmp"))
     disks.chmod(0o750)

@@ -38,7 +38,7 @@ from typing import Protocol
 
 from scripts.image import IMAGE, container_env
 
-from .cluster import _die_with_parent
+from .cluster import _die_with_parent, owner_gone
 
 LABEL = "ais-wds-test"
 PROJECT_REPOSITORY = "ais-wds-transformer"
@@ -153,16 +153,6 @@ def podman(*args: str, timeout: float = 60, check: bool = True) -> subprocess.Co
     return result
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class PodmanContainer:
     def __init__(self, name: str, process: subprocess.Popen):
         self.name = name
@@ -264,6 +254,6 @@ class ContainerRuntime:
 
     def remove_orphans(self) -> None:
         """Containers that a test process, now gone, left behind."""
-        names = [name for name, owner in self._listed() if not owner.isdigit() or not _alive(int(owner))]
+        names = [name for name, owner in self._listed() if not owner.isdigit() or owner_gone(owner)]
         if names:
             podman("rm", "--force", "--time", "0", *names, check=False)

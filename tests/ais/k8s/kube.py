@@ -260,9 +260,9 @@ class RealKubernetes:
         Path(f"/proc/{pid}/oom_score_adj").write_text("1000")
         usage = int((cgroup / "memory.usage_in_bytes").read_text())
         (cgroup / "memory.limit_in_bytes").write_text(str(usage + (1 << 20)))
-        kubectl = [str(self.node.tools.kubectl), f"--kubeconfig={self.node.kubeconfig()}"]
-        exec_ = subprocess.Popen([*kubectl, "exec", pod.name, "--", "python", "-c", "b = bytearray(64 << 20)"],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=self.node.enter_netns)
+        allocate = self.node.kubectl_command("exec", pod.name, "--", "python", "-c", "b = bytearray(64 << 20)")
+        exec_ = subprocess.Popen(allocate, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                 preexec_fn=self.node.enter_netns)
         try:
             self.wait(lambda: not Path(f"/proc/{pid}").exists(), timeout, f"the OOM kill of pod {pod.name}")
         finally:

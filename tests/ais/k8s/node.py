@@ -40,7 +40,7 @@ from pathlib import Path
 
 import requests
 
-from ..cluster import _die_with_parent
+from ..cluster import _die_with_parent, owner_gone
 from .build import KubernetesUnavailable, Tools, cache_dir, install_kubernetes, pause_binary
 
 NODE = "ais-node"
@@ -125,8 +125,7 @@ def remove_orphaned_cgroups() -> None:
     died with it, so they are empty."""
     for hierarchy in cgroup_hierarchies():
         for folder in hierarchy.glob(f"{CGROUP_PREFIX.strip('/')}*"):
-            pid = folder.name.rsplit("-", 1)[-1]
-            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            if owner_gone(folder.name.rsplit("-", 1)[-1]):
                 remove_cgroup_tree(folder, timeout=1.0)
 
 
@@ -158,12 +157,16 @@ class KubeNode:
 
     def kubectl(self, *args: str, timeout: float = 60, check: bool = True, input: str | None = None) -> str:
         """``kubectl`` as the cluster's admin; run inside the node's network namespace."""
-        done = subprocess.run([str(self.tools.kubectl), f"--kubeconfig={self.kubeconfig()}", *args],
+        done = subprocess.run(self.kubectl_command(*args),
                               capture_output=True, text=True, timeout=timeout, input=input,
                               preexec_fn=self.enter_netns)
         if check and done.returncode != 0:
             raise KubernetesUnavailable(f"kubectl {' '.join(args)} failed ({done.returncode}): {done.stderr.strip()}")
         return done.stdout
+
+    def kubectl_command(self, *args: str) -> list[str]:
+        """The command line of ``kubectl`` as the cluster's admin; run it with ``preexec_fn=enter_netns``."""
+        return [str(self.tools.kubectl), f"--kubeconfig={self.kubeconfig()}", *args]
 
     def enter_netns(self) -> None:  # between fork and exec: the child joins the node's network namespace
         fd = os.open(f"/proc/{self.inside}/ns/net", os.O_RDONLY)
