@@ -83,22 +83,29 @@ class EtlObjectRelay:
 
     def _serve(self, handler: BaseHTTPRequestHandler, method: str) -> None:
         raw = handler.path.split("?", 1)[0]
-        uname, status = "", 500
+        uname, seen = "", False
+
+        def record(status: int) -> None:  # before the answer leaves: the pod may finish, and a test look, at once
+            nonlocal seen
+            seen = True
+            with self._lock:
+                self.seen.append(Seen(method, raw, uname, status))
+
         try:
             parts = raw[len(PREFIX):].split("/", 2) if raw.startswith(PREFIX) else []
             if len(parts) != 3 or parts[0] != self.etl_name or parts[1] != self.secret:
-                status = 403
+                record(403)
                 return self._reply(handler, 403, b"unknown ETL or bad secret")
             uname = unquote(parts[2])
             provider, ns, bucket, name = parse_uname(uname)
             if method == "HEAD" and self.head_status is not None:
-                status = self.head_status
-                return self._reply(handler, status, b"")
+                record(self.head_status)
+                return self._reply(handler, self.head_status, b"")
             params = {"provider": provider, **({"namespace": ns} if ns else {})}
             url = f"{self.target_url}/v1/objects/{quote(bucket)}/{quote(name)}"
             with self._http.stream(method, url, params=params) as upstream:
-                status = upstream.status_code
-                handler.send_response(status)
+                record(upstream.status_code)
+                handler.send_response(upstream.status_code)
                 length = upstream.headers.get("content-length")
                 if length is not None:
                     handler.send_header("Content-Length", length)
@@ -107,8 +114,8 @@ class EtlObjectRelay:
                     for chunk in upstream.iter_raw():
                         handler.wfile.write(chunk)
         finally:
-            with self._lock:
-                self.seen.append(Seen(method, raw, uname, status))
+            if not seen:
+                record(500)
 
     @staticmethod
     def _reply(handler: BaseHTTPRequestHandler, status: int, body: bytes) -> None:
