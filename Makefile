@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 EXTRAS ?= server,client,demo,bench,dali,test
 TEST_WORKERS ?= 2  # make test: pytest-xdist workers; --dist loadfile keeps each test file on one worker
 
-.PHONY: install demo test aisnode k8s-tools ais-etl image test-image test-k8s gpu-wheels lint clean
+.PHONY: install demo test bench aisnode k8s-tools ais-etl image test-image test-k8s gpu-wheels lint clean
 
 install: $(VENV)/.installed
 
@@ -24,6 +24,11 @@ demo: install
 # into ~/.cache/ais-wds-transformer (tests/ais/cluster.py); `make aisnode` builds it ahead of a test run.
 test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30
+
+# The headline benchmark at HEAD (a few minutes on 2 cores): bench/results/headline/<date>-<time>-<commit>/, then
+# the README's and docs/performance.md's tables rewritten from it (bench/headline.py).
+bench: install
+	$(PY) -m bench.headline
 
 aisnode: install
 	$(PY) -m tests.ais.cluster --build-only

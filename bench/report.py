@@ -19,6 +19,24 @@ PACKAGES = ("torch", "torchvision", "pillow", "numpy", "simplejpeg", "webdataset
             "httptools", "uvloop", "websockets", "psutil")
 
 
+def _git(*command: str) -> str:
+    done = subprocess.run(["git", *command], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    return done.stdout.strip()
+
+
+def run_name(started: float) -> str:
+    """A run's folder name: its start (local time) and the checked-out commit, so names sort by date."""
+    return f"{time.strftime('%Y%m%d-%H%M', time.localtime(started))}-{_git('rev-parse', '--short', 'HEAD') or 'nogit'}"
+
+
+def newest_run(root: Path) -> Path:
+    """The newest run folder under ``root`` that holds a ``results.json``."""
+    runs = sorted(p.parent for p in root.glob("*/results.json"))
+    if not runs:
+        raise FileNotFoundError(f"no run with a results.json under {root}: run python -m bench.run first")
+    return runs[-1]
+
+
 def metadata(argv: list[str], args, started: float) -> dict:
     from transformer.config import available_cpus
 
@@ -27,10 +45,6 @@ def metadata(argv: list[str], args, started: float) -> dict:
             return importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             return None
-
-    def git(*command: str) -> str:
-        done = subprocess.run(["git", *command], capture_output=True, text=True, cwd=Path(__file__).parents[1])
-        return done.stdout.strip()
 
     cpu_model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                       if line.startswith("model name")), platform.processor())
@@ -42,19 +56,21 @@ def metadata(argv: list[str], args, started: float) -> dict:
     except Exception:  # a broken CUDA install must not lose the whole report
         gpu = None
     # "dirty": the service's code differed from the commit (others edit the shared checkout concurrently).
-    dirty = " (dirty)" if git("status", "--porcelain", "--", "transformer") else ""
+    dirty = " (dirty)" if _git("status", "--porcelain", "--", "transformer") else ""
     return {
         "command": "python -m bench.run " + shlex.join(argv),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
         "duration_s": time.time() - started,
-        "git": git("rev-parse", "--short", "HEAD") + dirty,
+        "git": _git("rev-parse", "--short", "HEAD") + dirty,
+        "commit": _git("rev-parse", "HEAD"),
         "machine": {"cpu": cpu_model, "cpus_usable": available_cpus(), "cpus_online": os.cpu_count(),
                     "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "platform": platform.platform(),
                     "gpu": gpu, "load_average_end": [round(x, 2) for x in os.getloadavg()]},
         "versions": {"python": platform.python_version(), **{p: version(p) for p in PACKAGES},
                      "curl": curl[0] if curl else None},
         "settings": {"workers": args.workers, "concurrency": args.concurrency, "rounds": args.rounds,
-                     "shards": args.shards, "samples": args.samples, "big_mib": args.big_mib, "smoke": args.smoke},
+                     "shards": args.shards, "samples": args.samples, "big_mib": args.big_mib, "smoke": args.smoke,
+                     "presets": list(getattr(args, "presets", ()))},
     }
 
 

@@ -5,8 +5,10 @@ compute limit, this service and the conventional peer once per preset, so that r
 taken under the same load; tables report medians over rounds and percentiles over all shard requests.
 The run is bounded by ``--budget`` seconds: what does not fit is recorded as skipped, never left hanging.
 
-Outputs in ``--out`` (default ``bench/results``): ``results.json`` (every raw figure), ``results.md``
-(tables, targets, machine, versions, command) and ``results.png`` (plot).
+Outputs in ``--out`` (default ``bench/results/headline/<date>-<time>-<commit>``, the run's start and the
+checked-out commit): ``results.json`` (every raw figure), ``results.md`` (tables, targets, machine, load
+average, versions, command) and ``results.png`` (plot). ``python -m bench.headline`` (``make bench``) runs it
+at the headline's size and rewrites the tables README.md and docs/performance.md show from the newest run.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .summary import MODES
 log = logging.getLogger("bench")
 
 PRESETS = ("imagenet-train", "imagenet-val")
+HEADLINE_ROOT = Path(__file__).parent / "results" / "headline"
 
 
 class Budget:
@@ -41,7 +44,8 @@ class Budget:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shards, one round: checks the harness, not speed")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="results folder")
+    parser.add_argument("--out", type=Path, help="results folder (default: bench/results/headline/<date>-<time>-"
+                        "<commit>)")
     parser.add_argument("--work", type=Path, help="folder for shards and logs (default: a temporary folder)")
     parser.add_argument("--shards", type=int, help="demo shards (default 4; smoke 2)")
     parser.add_argument("--samples", type=int, help="samples per demo shard (default 1000; smoke 16)")
@@ -55,6 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--budget", type=float, help="wall-clock bound in seconds (default 1500; smoke 240)")
     parser.add_argument("--render", action="store_true", help="only re-render results.md and results.png from the "
                         "results.json in --out (no measurement)")
+    parser.add_argument("--presets", default=",".join(PRESETS), help="comma-separated presets measured in every "
+                        f"round (default {','.join(PRESETS)})")
     parser.add_argument("--skip", default="", help="comma-separated sections to leave out: "
                         "decoders,peer,ws,big,client")
     args = parser.parse_args(argv)
@@ -70,6 +76,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
         args.workers = available_cpus()
     args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    args.presets = tuple(p.strip() for p in args.presets.split(",") if p.strip())
+    unknown = sorted(set(args.presets) - set(PRESETS))
+    if unknown or not args.presets:
+        parser.error(f"--presets: {', '.join(unknown) or 'none given'}; choose from {', '.join(PRESETS)}")
     return args
 
 
@@ -77,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s bench: %(message)s", datefmt="%H:%M:%S")
     if args.render:
+        if args.out is None:
+            args.out = report.newest_run(HEADLINE_ROOT)
         results = json.loads((args.out / "results.json").read_text())
         report.write_markdown(results, args.out / "results.md")
         report.write_plot(results, args.out / "results.png")
@@ -86,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     budget = Budget(args.budget)
     started = time.time()
+    if args.out is None:
+        args.out = HEADLINE_ROOT / report.run_name(started)
     load_start = [round(x, 2) for x in os.getloadavg()]
     temporary = None
     if args.work is None:
@@ -185,7 +199,7 @@ def _round_estimate(results: dict) -> float:
 def measure_round(args, budget: Budget, results: dict, round_index: int, samples, settings, shards,
                   servers: dict[str, services.Server]) -> None:
     paths = [s.path for s in shards]
-    for preset in PRESETS:
+    for preset in args.presets:
         log.info("round %d, %s: compute limit", round_index + 1, preset)
         limit = compute.compute_limit(samples, preset, "float32", args.workers, settings)
         results["compute"].append({"round": round_index, "preset": preset, **limit})
@@ -319,7 +333,7 @@ def measure_client(args, budget: Budget, results: dict, shards, service: service
     from transformer.client import pod_urls
 
     paths = [s.path for s in shards]
-    for preset in PRESETS:
+    for preset in args.presets:
         if budget.remaining() < 60:
             results["skipped"].append(f"client-side decoding {preset}: time budget")
             continue
