@@ -132,9 +132,9 @@ def block(folder: Path, doc: Path) -> str:
                       "", *(FULL_HEADER if full else SHORT_HEADER), *rows(results, full), END])
 
 
-def current(doc: Path) -> tuple[Path, str]:
-    """The run ``doc``'s table names, and the generated part as it stands in ``doc``."""
-    text = doc.read_text()
+def current(doc: Path, text: str | None = None) -> tuple[Path, str]:
+    """The run ``doc``'s table names, and the generated part as it stands in ``doc`` (or in ``text``)."""
+    text = doc.read_text() if text is None else text
     found = BEGIN.search(text)
     if found is None or END not in text[found.end():]:
         raise ValueError(f"{doc.relative_to(REPO)}: no headline table between '<!-- headline table: ...' "
@@ -143,19 +143,23 @@ def current(doc: Path) -> tuple[Path, str]:
     return REPO / Path(found.group(1)).parent, text[found.start():stop]
 
 
+def problems(doc: Path, newest: Path, text: str | None = None) -> list[str]:
+    """Why ``doc``'s table (or ``text``'s, read as that doc) is not what the run ``newest`` gives."""
+    folder, generated = current(doc, text)
+    name = doc.relative_to(REPO)
+    if folder != newest:
+        return [f"{name}: its table is from {folder.relative_to(REPO)}, the newest run is "
+                f"{newest.relative_to(REPO)} (python -m bench.headline --docs)"]
+    if generated != block(folder, doc):
+        return [f"{name}: its table differs from {folder.relative_to(REPO)}/results.json "
+                "(python -m bench.headline --docs)"]
+    return []
+
+
 def stale(docs: tuple[Path, ...] = (README, PERFORMANCE)) -> list[str]:
     """Each doc whose table is not what the newest run gives, and why."""
     newest = report.newest_run(ROOT)
-    problems = []
-    for doc in docs:
-        folder, text = current(doc)
-        name = doc.relative_to(REPO)
-        if folder != newest:
-            problems.append(f"{name}: its table is from {folder.relative_to(REPO)}, the newest run is "
-                            f"{newest.relative_to(REPO)}")
-        elif text != block(folder, doc):
-            problems.append(f"{name}: its table differs from {folder.relative_to(REPO)}/results.json")
-    return problems
+    return [problem for doc in docs for problem in problems(doc, newest)]
 
 
 def write_docs(docs: tuple[Path, ...] = (README, PERFORMANCE)) -> None:

@@ -1,10 +1,11 @@
 """The README and docs/ stay short enough to read and point only at things that exist.
 
-Checked: the README's length; every relative link in README.md and docs/*.md (the file, and the heading
-its #anchor names); every inline-code repo path there (`docs/...`, `bench/...`, `transformer/...`,
-`tests/...`, `k8s/...`, `examples/...`); every docs/ path and every repo file path named in the sources (Python under
-transformer/, bench/, tests/ and examples/, and the Dockerfile, Makefile, pyproject.toml, k8s/ and
-scripts/).
+Checked: the README's length (lines, and characters per line); every relative link in README.md and
+docs/*.md (the file, and the heading its #anchor names); every inline-code repo path there (`docs/...`,
+`bench/...`, `transformer/...`, `tests/...`, `k8s/...`, `examples/...`); every docs/ path and every repo
+file path named in the sources (Python under transformer/, bench/, tests/ and examples/, and the
+Dockerfile, Makefile, pyproject.toml, k8s/ and scripts/). The generated tables are checked where they are
+generated: the settings table in tests/test_config.py, the headline tables in tests/test_bench_headline.py.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
-MAX_README_LINES = 500
+MAX_README_LINES = 200
+MAX_README_WIDTH = 120
 SOURCE_FOLDERS = ("transformer", "bench", "tests", "examples")
 BUILD_FILES = ("Dockerfile", "Makefile", "pyproject.toml")
 REPO_PATH = re.compile(r"(?:docs|bench|transformer|tests|k8s|examples)/\S*")
@@ -88,9 +90,17 @@ def docs_named_in(path: Path) -> set[str]:
     return {m.rstrip(".") for m in DOCS_IN_SOURCE.findall(path.read_text(errors="replace"))}
 
 
+def long_lines(text: str, width: int = MAX_README_WIDTH) -> list[str]:
+    return [f"line {n}: {len(line)} characters" for n, line in enumerate(text.splitlines(), 1) if len(line) > width]
+
+
 def test_the_readme_stays_under_its_length_limit() -> None:
     lines = len(README.read_text().splitlines())
     assert lines <= MAX_README_LINES, f"README.md has {lines} lines (limit {MAX_README_LINES}): move detail to docs/"
+
+
+def test_no_readme_line_is_wider_than_its_limit() -> None:
+    assert long_lines(README.read_text()) == [], f"README.md: lines over {MAX_README_WIDTH} characters"
 
 
 @pytest.mark.parametrize("path", documents(), ids=lambda p: str(p.relative_to(REPO)))
@@ -122,6 +132,7 @@ def test_the_checks_catch_what_they_are_for(tmp_path: Path) -> None:
     assert broken_code_paths("`bench/nothing.py` `docs/` `bench/run.py` `tests/test_*.py` `k8s/none/`") == [
         "bench/nothing.py", "k8s/none/"]
     assert broken_code_paths("```\n`bench/nothing.py`\n```\n") == []
+    assert long_lines("short\n" + "x" * 121 + "\n" + "y" * 120) == ["line 2: 121 characters"]
     source = tmp_path / "x.py"
     source.write_text('"""See docs/missing.md and docs/contract.md."""\nURL = f"/docs/dir/a.tar"\n')
     assert docs_named_in(source) == {"docs/missing.md", "docs/contract.md"}

@@ -244,7 +244,7 @@ def test_shard_over_obj_timeout_is_an_error_naming_the_shard(etl_client, etl_clu
                 delivered += 1
                 time.sleep(0.25)  # 40 samples at 4 per second: 10 s, over the 3 s obj_timeout
         assert delivered < 40
-        # what a plain reader gets, and what the README's troubleshooting row names: AIS's timeout after the tar
+        # what a plain reader gets, and what docs/deploy.md's troubleshooting row names: AIS's timeout after the tar
         tail = b""
         with requests.get(url, stream=True, timeout=60) as response:
             for chunk in response.iter_content(256 * 1024):

@@ -1,5 +1,5 @@
-"""The README's Deploy section, typed as written, against a real AIS with ETL: its curl and wds-transform
-commands run as they are (taken from the README text, so the two cannot drift), each ``ais`` command
+"""docs/deploy.md, typed as written, against a real AIS with ETL: its curl and wds-transform
+commands run as they are (taken from the document's text, so the two cannot drift), each ``ais`` command
 runs as its aistore SDK equivalent; and the Troubleshooting rows give the answers they promise."""
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ ETL = "wds-transform"
 
 
 def section_commands(title: str) -> list[str]:
-    """The commands of the fenced bash blocks under the README heading ``title`` (continuations joined,
+    """The commands of the fenced bash blocks under the docs/deploy.md heading ``title`` (continuations joined,
     trailing comments dropped)."""
-    text = (REPO / "README.md").read_text()
-    body = text.split(f"\n{title}\n", 1)[1].split("\n### ", 1)[0]
+    text = (REPO / "docs" / "deploy.md").read_text()
+    body = re.split(r"\n#{1,3} ", text.split(f"\n{title}\n", 1)[1], maxsplit=1)[0]
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", body, re.S):
         for line in block.replace("\\\n", " ").splitlines():
@@ -45,7 +45,7 @@ def bucket_of(uri: str) -> str:
 
 
 class Deploy:
-    """Runs README commands: shell ones for real, ``ais`` ones through the SDK."""
+    """Runs docs/deploy.md's commands: shell ones for real, ``ais`` ones through the SDK."""
 
     def __init__(self, client, cluster: EtlCluster, folder: Path):
         self.client, self.cluster, self.folder = client, cluster, folder
@@ -56,7 +56,7 @@ class Deploy:
         words = shlex.split(command)
         if words[0] == "ais":
             return self.ais(words[1:], spec)
-        assert words[0] in ("curl", "wds-transform"), f"a README command this test does not know: {command}"
+        assert words[0] in ("curl", "wds-transform"), f"a docs/deploy.md command this test does not know: {command}"
         done = subprocess.run(["bash", "-c", command], cwd=self.folder, env=self.env, capture_output=True,
                               text=True, timeout=300)
         assert done.returncode == 0, (command, done.stdout, done.stderr)
@@ -89,7 +89,7 @@ class Deploy:
                 return client.job(job, job_kind="etl-bck").wait(timeout=300, verbose=False)
             case ["ls", uri]:
                 return sorted(entry.name for entry in client.bucket(bucket_of(uri)).list_all_objects())
-        pytest.fail(f"a README command with no SDK equivalent in this test: ais {' '.join(args)}")
+        pytest.fail(f"a docs/deploy.md command with no SDK equivalent in this test: ais {' '.join(args)}")
 
 
 @pytest.fixture(scope="module")
@@ -97,11 +97,11 @@ def deployed(etl_client, etl_cluster: EtlCluster, tmp_path_factory: pytest.TempP
     """Sections 2 and 3 of Deploy, in order, from an empty cluster."""
     deploy = Deploy(etl_client, etl_cluster, tmp_path_factory.mktemp("readme-deploy"))
     results = {}
-    for command in section_commands("### 2. Register the ETL with AIS"):
+    for command in section_commands("## 2. Register the ETL with AIS"):
         if command.startswith("export AIS_ENDPOINT="):
             continue  # the cluster's own address is in deploy.env
         results[command] = deploy.run(command)
-    for command in section_commands("### 3. Read shards through it"):
+    for command in section_commands("## 3. Read shards through it"):
         results[command] = deploy.run(command)
     yield deploy, results
     unregister(etl_client, ETL)
@@ -125,7 +125,7 @@ def test_deploy_ends_with_a_whole_shard_on_disk_and_an_offline_copy_listed(deplo
 
 def test_curl_without_L_saves_the_redirect_page(deployed) -> None:
     deploy, _ = deployed
-    (curl,) = [c for c in section_commands("### 3. Read shards through it") if c.startswith("curl")]
+    (curl,) = [c for c in section_commands("## 3. Read shards through it") if c.startswith("curl")]
     assert " -fsSL " in curl
     deploy.run(curl.replace(" -fsSL ", " -fsS ").replace("-o out.tar", "-o moved.tar"))
     page = (deploy.folder / "moved.tar").read_bytes()

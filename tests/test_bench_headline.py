@@ -1,0 +1,57 @@
+"""``make bench``'s tables: README.md's and docs/performance.md's headline tables are generated from the
+newest run under bench/results/headline/ (bench/headline.py), and a hand edit or a newer run shows."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from bench import headline, report
+
+
+def test_the_readme_and_performance_tables_are_the_newest_runs() -> None:
+    assert headline.stale() == []
+
+
+@pytest.mark.parametrize("doc", [headline.README, headline.PERFORMANCE], ids=["README", "performance"])
+def test_a_changed_figure_or_an_older_run_is_caught(doc: Path) -> None:
+    newest = report.newest_run(headline.ROOT)
+    text = doc.read_text()
+    _, generated = headline.current(doc)
+    # The first images/s figure of the table ("| compute limit (2 threads) | 1,234 |"), one higher.
+    row = re.search(r"^\| compute limit \(\d+ threads\) \| ([\d,]+) \|", generated, re.M)
+    assert row is not None
+    figure = int(row.group(1).replace(",", ""))
+    edited = generated.replace(row.group(0), row.group(0).replace(row.group(1), f"{figure + 1:,}"))
+    assert headline.problems(doc, newest, text) == []
+    assert headline.problems(doc, newest, text.replace(generated, edited)) == [
+        f"{doc.relative_to(headline.REPO)}: its table differs from {newest.relative_to(headline.REPO)}/results.json "
+        "(python -m bench.headline --docs)"]
+    other = next(p.parent for p in sorted(headline.ROOT.glob("*/results.json")) if p.parent != newest)
+    assert "the newest run is" in headline.problems(doc, other, text)[0]
+
+
+def test_the_readme_table_keeps_to_120_characters_and_performance_has_every_row() -> None:
+    newest = report.newest_run(headline.ROOT)
+    short, full = headline.block(newest, headline.README), headline.block(newest, headline.PERFORMANCE)
+    assert max(len(line) for line in short.splitlines()) <= 120
+    assert "no GIL" in full and "no GIL" not in short and "latency p50 / p99" in full
+    results = json.loads((newest / "results.json").read_text())
+    assert f"at commit {results['meta']['git']}" in " ".join(short.splitlines())
+    assert f"load average {results['meta']['machine']['load_average_start'][0]} at the start" in full.replace("\n", " ")
+
+
+def test_the_newest_run_is_the_latest_folder_with_results(tmp_path: Path) -> None:
+    for name in ("20261121-1832-88f6bb0", "20261127-2026-45ac9ec", "20261130-0900-0000000"):
+        (tmp_path / name).mkdir()
+    for name in ("20261121-1832-88f6bb0", "20261127-2026-45ac9ec"):
+        (tmp_path / name / "results.json").write_text("{}")
+    assert report.newest_run(tmp_path) == tmp_path / "20261127-2026-45ac9ec"  # the latest holds no results
+    with pytest.raises(FileNotFoundError, match="no run with a results.json"):
+        report.newest_run(tmp_path / "20261130-0900-0000000")
+    started = time.mktime((2026, 11, 27, 20, 26, 0, 0, 0, -1))
+    assert re.fullmatch(r"20261127-2026-[0-9a-f]{7,}", report.run_name(started))
