@@ -37,7 +37,16 @@ def newest_run(root: Path) -> Path:
     return runs[-1]
 
 
-def metadata(argv: list[str], args, started: float) -> dict:
+def git_state() -> dict[str, str]:
+    """The checked-out commit, short (with " (dirty)" when transformer/ differs from it) and full.
+
+    Taken when a run starts: the checkout may move on while it measures."""
+    # "dirty": the service's code differed from the commit (others edit the shared checkout concurrently).
+    dirty = " (dirty)" if _git("status", "--porcelain", "--", "transformer") else ""
+    return {"git": _git("rev-parse", "--short", "HEAD") + dirty, "commit": _git("rev-parse", "HEAD")}
+
+
+def metadata(argv: list[str], args, started: float, git: dict[str, str] | None = None) -> dict:
     from transformer.config import available_cpus
 
     def version(name: str) -> str | None:
@@ -55,14 +64,11 @@ def metadata(argv: list[str], args, started: float) -> dict:
         gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     except Exception:  # a broken CUDA install must not lose the whole report
         gpu = None
-    # "dirty": the service's code differed from the commit (others edit the shared checkout concurrently).
-    dirty = " (dirty)" if _git("status", "--porcelain", "--", "transformer") else ""
     return {
         "command": "python -m bench.run " + shlex.join(argv),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
         "duration_s": time.time() - started,
-        "git": _git("rev-parse", "--short", "HEAD") + dirty,
-        "commit": _git("rev-parse", "HEAD"),
+        **(git or git_state()),
         "machine": {"cpu": cpu_model, "cpus_usable": available_cpus(), "cpus_online": os.cpu_count(),
                     "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "platform": platform.platform(),
                     "gpu": gpu, "load_average_end": [round(x, 2) for x in os.getloadavg()]},

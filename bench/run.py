@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     budget = Budget(args.budget)
     started = time.time()
+    git = report.git_state()
     if args.out is None:
         args.out = HEADLINE_ROOT / report.run_name(started)
     load_start = [round(x, 2) for x in os.getloadavg()]
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if temporary is not None:
             shutil.rmtree(temporary, ignore_errors=True)
-    results["meta"] = report.metadata(argv if argv is not None else sys.argv[1:], args, started)
+    results["meta"] = report.metadata(argv if argv is not None else sys.argv[1:], args, started, git)
     results["meta"]["machine"]["load_average_start"] = load_start
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))

@@ -55,3 +55,16 @@ def test_the_newest_run_is_the_latest_folder_with_results(tmp_path: Path) -> Non
         report.newest_run(tmp_path / "20261130-0900-0000000")
     started = time.mktime((2026, 11, 27, 20, 26, 0, 0, 0, -1))
     assert re.fullmatch(r"20261127-2026-[0-9a-f]{7,}", report.run_name(started))
+
+
+def test_a_run_records_the_commit_it_started_at() -> None:
+    """The checkout may move on while a run measures: the report names the commit taken at the start."""
+    import argparse
+
+    args = argparse.Namespace(workers=2, concurrency=4, rounds=1, shards=1, samples=1, big_mib=1, smoke=True,
+                              presets=("imagenet-train",))
+    started = {"git": "abc1234", "commit": "abc1234" + "0" * 33}
+    meta = report.metadata(["--smoke"], args, time.time(), started)
+    assert (meta["git"], meta["commit"]) == (started["git"], started["commit"])
+    assert meta["settings"]["presets"] == ["imagenet-train"]
+    assert set(report.git_state()) == {"git", "commit"}
