@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# AIStore ETL transformer for WebDataset shards: `wds-transform serve` on 0.0.0.0:8000 (README, Deploy).
+# AIStore ETL transformer for WebDataset shards: `wds-transform serve` on 0.0.0.0:8000 (docs/deploy.md).
 #
 #   CPU (default): docker build -t REGISTRY/ais-wds-transformer:0.1.0 .
 #   CUDA variant:  docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu130 \

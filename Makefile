@@ -9,7 +9,7 @@ TEST_WORKERS ?= 2  # make test: pytest-xdist workers; --dist loadfile keeps each
 
 install: $(VENV)/.installed
 
-# torchvision==0.29.2 pulls torch 2.15.0 from PyPI (a CUDA build that also runs on CPU, ~5 GB once).
+# torchvision==0.29.2 pulls torch 2.15.0 from PyPI (a CUDA build that also runs on CPU, ~6 GB installed).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     inspect.add_argument("--raw", action="store_true",
                          help="a shard not written by this ETL: do not require its end marker")
 
-    settings = commands.add_parser("settings", help="print the effective settings, or the README table")
+    settings = commands.add_parser("settings", help="print the effective settings, or docs/settings.md's table")
     settings.add_argument("--markdown", action="store_true", help="print the settings table as markdown")
 
     args = parser.parse_args(argv)

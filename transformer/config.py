@@ -1,6 +1,6 @@
 """Service settings, read from the environment in one place and validated at start-up.
 
-Every variable, its default and its meaning is listed in ``VARIABLES`` (the README table is generated
+Every variable, its default and its meaning is listed in ``VARIABLES`` (docs/settings.md's table is generated
 from it: ``wds-transform settings --markdown``). AIS itself sets ``AIS_TARGET_URL`` and ``direct_put``
 in the pod (ext/etl/boot.go); everything else is ours.
 """
@@ -21,7 +21,7 @@ LAYOUTS = ("CHW", "HWC")
 ERROR_POLICIES = ("skip", "fail", "passthrough")
 MAX_INFLIGHT_SHARDS = 8  # ETL_MAX_INFLIGHT's default: this many shards' windows
 
-# name -> (default, description). The single source of truth for the README's settings table.
+# name -> (default, description). The single source of truth for docs/settings.md's table.
 VARIABLES: dict[str, tuple[str, str]] = {
     "ETL_PRESET": ("imagenet-train", "Default preset when etl_args names none: imagenet-train, imagenet-val, "
                    "resize-224."),
@@ -364,7 +364,7 @@ def write_termination_log(message: str, environ: Mapping[str, str] | None = None
 
 
 def settings_table() -> str:
-    """The README's settings table, generated from ``VARIABLES``."""
+    """docs/settings.md's settings table, generated from ``VARIABLES``."""
     rows = ["| variable | default | meaning |", "|---|---|---|"]
     for name, (default, meaning) in VARIABLES.items():
         rows.append(f"| `{name}` | `{default}` | {meaning} |" if default else f"| `{name}` | | {meaning} |")
