@@ -68,3 +68,15 @@ def test_a_run_records_the_commit_it_started_at() -> None:
     assert (meta["git"], meta["commit"]) == (started["git"], started["commit"])
     assert meta["settings"]["presets"] == ["imagenet-train"]
     assert set(report.git_state()) == {"git", "commit"}
+
+
+def test_presets_choose_what_each_round_measures(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import run
+
+    assert run.parse_args(["--presets", "imagenet-train"]).presets == ("imagenet-train",)
+    assert run.parse_args([]).presets == run.PRESETS
+    assert run.parse_args([]).out is None  # main() names the folder for the run's start and commit
+    with pytest.raises(SystemExit):
+        run.parse_args(["--presets", "imagenet-train,resize-225"])
+    assert "--presets: resize-225; choose from imagenet-train, imagenet-val" in capsys.readouterr().err
+    assert headline.ARGS[:2] == ("--presets", "imagenet-train")
