@@ -114,6 +114,12 @@ def rows(results: dict, full: bool) -> list[str]:
     return lines
 
 
+def loaded(machine: dict) -> bool:
+    """Whether other jobs took the cores: a 1-minute load average at or above the CPUs, at the start or end."""
+    start, end = machine.get("load_average_start") or [0.0], machine["load_average_end"]
+    return max(start[0], end[0]) >= machine["cpus_usable"]
+
+
 def block(folder: Path, doc: Path) -> str:
     """The generated part of ``doc``: where the figures come from, then the table."""
     results = json.loads((folder / "results.json").read_text())
@@ -126,6 +132,9 @@ def block(folder: Path, doc: Path) -> str:
               f"{machine['cpus_usable']} usable CPUs ({machine['cpu']}, GPU: {machine['gpu'] or 'none'}), load "
               f"average {start[0]} at the start and {end[0]} at the end (1 minute; other jobs shared these "
               f"cores), report [`{relative}/results.md`]({link}{relative}/results.md).")
+    if loaded(machine):
+        source += (" Taken under load (a load average at or above the CPUs): compare the ratios to the limit, "
+                   "not the images/s.")
     full = doc != README
     marker = f"<!-- headline table: {relative}/results.json (bench.headline writes it) -->"
     return "\n".join([marker, *textwrap.wrap(source, 110, break_on_hyphens=False, break_long_words=False),

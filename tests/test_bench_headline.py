@@ -80,3 +80,14 @@ def test_presets_choose_what_each_round_measures(capsys: pytest.CaptureFixture[s
         run.parse_args(["--presets", "imagenet-train,resize-225"])
     assert "--presets: resize-225; choose from imagenet-train, imagenet-val" in capsys.readouterr().err
     assert headline.ARGS[:2] == ("--presets", "imagenet-train")
+
+
+def test_a_loaded_run_says_so_above_its_table() -> None:
+    assert headline.loaded({"cpus_usable": 2, "load_average_start": [0.98, 0.5, 0.2], "load_average_end": [6.21]})
+    assert headline.loaded({"cpus_usable": 2, "load_average_start": [2.0], "load_average_end": [0.1]})
+    assert not headline.loaded({"cpus_usable": 2, "load_average_start": [1.9], "load_average_end": [0.4]})
+    assert not headline.loaded({"cpus_usable": 2, "load_average_end": [1.0]})  # runs before the start was kept
+    newest = report.newest_run(headline.ROOT)
+    machine = json.loads((newest / "results.json").read_text())["meta"]["machine"]
+    text = " ".join(headline.block(newest, headline.PERFORMANCE).splitlines())
+    assert ("Taken under load" in text) == headline.loaded(machine)
