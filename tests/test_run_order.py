@@ -63,5 +63,5 @@ def test_a_test_after_a_namespace_that_could_not_be_left_fails_naming_why(tmp_pa
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
                            "tests"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "1 passed, 1 error" in done.stdout, done.stdout[-3000:]
-    assert ("tests/test_stuck.py::test_after would run inside the real-ETL tests' network namespace, which this "
+    assert ("::test_after would run inside the real-ETL tests' network namespace, which this "
             "process could not leave (setns: Operation not permitted)") in done.stdout
