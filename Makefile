@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 EXTRAS ?= server,client,demo,bench,dali,test
 TEST_WORKERS ?= 2  # make test: pytest-xdist workers; --dist loadfile keeps each test file on one worker
 
-.PHONY: install demo test bench aisnode k8s-tools ais-etl image test-image test-k8s gpu-wheels lint clean
+.PHONY: install demo test bench aisnode k8s-tools ais-etl image test-image test-k8s image-tools k8s-host-tools gpu-wheels \
+	lint clean
 
 install: $(VENV)/.installed
 
@@ -43,13 +44,22 @@ k8s-tools: install
 image:
 	$(PYTHON) -m scripts.image
 
+# Host tools the container targets need, Debian's packages installed as root when their command is missing
+# (scripts/host-tools.sh): buildah, mmdebstrap build the image; podman, runc run and push it; iptables is kube-proxy's.
+IMAGE_TOOLS := buildah podman runc mmdebstrap
+image-tools:
+	bash scripts/host-tools.sh $(IMAGE_TOOLS)
+
+k8s-host-tools:
+	bash scripts/host-tools.sh $(IMAGE_TOOLS) iptables
+
 # The image's own tests, then the whole real-ETL suite with every ETL pod a podman container of the image.
-test-image: install image
+test-image: install image-tools image
 	AIS_WDS_POD_RUNTIME=container $(PY) -m pytest -q -m 'image or ais_etl' tests/image tests/ais/etl
 
 # The real-ETL suite on a real single-node Kubernetes (tests/ais/k8s): its binaries built or fetched once into
 # ~/.cache/ais-wds-transformer, the image pushed to the node's registry, every ETL pod scheduled and run by it.
-test-k8s: install image k8s-tools
+test-k8s: install k8s-host-tools image k8s-tools
 	AIS_WDS_KUBE=real $(PY) -m pytest -q -m 'ais_etl or k8s' tests/ais/etl
 
 # A real AIS with ETL (one proxy, two targets, a fake Kubernetes) in a network namespace, until Ctrl-C.

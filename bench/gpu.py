@@ -5,7 +5,9 @@ network. The client's other packages travel as wheels (``--wheels``: ``make gpu-
 ``requirements/gpu-check.txt`` into ``.gpu-wheels/``), installed with ``pip --no-index --no-deps`` into
 a folder of their own that goes first on the path; the machine's torch is left as it is. Every part
 has a time cap inside ``--budget`` (seconds), so the run ends in time even where a part is slow; a part
-left without time is reported as skipped, never as passed.
+or case left without time is reported as cut (the headline says which), never as passed or failed.
+``results.json`` and ``results.md`` are written again after each part, so a run stopped from outside
+keeps what it measured.
 
 Parts, in order:
 
@@ -15,7 +17,8 @@ Parts, in order:
 2. ``prefetch``: ``CudaPrefetcher`` on the device against its CPU path on the same batches; a batch
    handed to the step is not overwritten while the step still reads it (a long kernel on the consumer
    stream while later copies land), and the same check with ``record_stream`` left out must see the
-   overwrite; the overlap that ``examples/prefetch_overlap.py`` measures, uint8 and float32.
+   overwrite; the overlap that ``examples/prefetch_overlap.py`` measures, uint8 and float32, which must
+   reach ``MIN_OVERLAP``.
 3. ``shards``: ETL'd shards written here in the pod's output format (``<key>.npy`` of (3, 224, 224)
    and ``<key>.cls``, then the end marker, by the pod's own tar writer), the same images as uint8 and
    as float32 (normalized as the pod does), ``--gigabytes`` of float32.
@@ -24,7 +27,7 @@ Parts, in order:
    (``bench.client_side.one_copy_batches`` on one core, delivered through ``CudaPrefetcher``).
 5. ``loaders``: samples/s and GB/s delivered into device memory through ``CudaPrefetcher``:
    ``make_loader`` with 0, 4 and 8 workers and ``web_loader`` with 8 (``pin_memory`` on), then
-   ``make_loader`` with 8 and ``pin_memory`` off, uint8 and float32; each case's first batches are
+   ``make_loader`` with 8 and ``pin_memory`` off, uint8 and float32; every batch of each case is
    checked against the images the shards hold (uint8 normalized on the device against the float32).
 6. ``training``: a ResNet-50 step at batch 256 (torchvision, bf16 autocast, channels_last, SGD) alone,
    then fed by ``make_loader`` through ``CudaPrefetcher``: the prefetcher's ``wait_seconds`` over the
@@ -63,6 +66,9 @@ STD = (0.229, 0.224, 0.225)
 # Skips that the GPU run expects; any other skip there fails the tests part.
 EXPECTED_SKIPS = ("checks the fallback of a machine without CUDA", "DALI (the dali extra) is not installed")
 WHEELS = REPO / ".gpu-wheels"
+# The prefetcher must hide at least half of a batch's copy behind the step (examples/prefetch_overlap.py:
+# 1.0 = all of it): a copy on the step's stream, or one from pageable memory, gives about 0.
+MIN_OVERLAP = 0.5
 
 
 # ---- the pytest plugin (-p bench.gpu): each test's outcome, and the tests left out, as JSON lines --------
@@ -116,18 +122,25 @@ class Budget:
 
 
 class Skip(Exception):
-    """A part that cannot run here (no CUDA, no time left): reported as skipped with its reason."""
+    """A part that cannot run here (no CUDA): reported as skipped with its reason."""
 
 
-def run_part(results: dict, name: str, function: Callable[[], dict], budget: Budget, minimum: float) -> None:
+class Cut(Exception):
+    """A part left without time: reported as cut, which fails nothing and passes nothing."""
+
+
+def run_part(results: dict, name: str, function: Callable[[], dict], budget: Budget, minimum: float,
+             out: Path | None = None) -> None:
     started = time.monotonic()
     entry: dict[str, Any] = {"status": "passed"}
     try:
         if budget.left() < minimum:
-            raise Skip(f"out of time: {budget.left():.0f} s left, the part needs at least {minimum:.0f} s")
+            raise Cut(f"out of time: {budget.left():.0f} s left, the part needs at least {minimum:.0f} s")
         entry.update(function())
     except Skip as skip:
         entry = {"status": "skipped", "reason": str(skip)}
+    except Cut as cut:
+        entry = {"status": "cut", "reason": str(cut)}
     except Exception as exc:  # one part's failure must not lose the others' figures
         import traceback
 
@@ -137,6 +150,26 @@ def run_part(results: dict, name: str, function: Callable[[], dict], budget: Bud
     results["parts"][name] = entry
     print(f"bench.gpu: {name}: {entry['status']} in {entry['seconds']} s"
           + (f" ({entry['reason'][:300]})" if entry.get("reason") else ""), flush=True)
+    if out is not None:
+        write_results(results, out)
+
+
+def verdict_of(results: dict, smoke: bool) -> None:
+    """``ok``: no part failed, and (but for a smoke run) none was skipped; ``cut``: the parts out of time."""
+    parts = results["parts"].items()
+    failed = [name for name, part in parts if part["status"] == "failed"]
+    skipped = [name for name, part in parts if part["status"] == "skipped"]
+    results["ok"] = not failed and (smoke or not skipped)
+    results["cut"] = [name for name, part in parts if part["status"] == "cut"]
+
+
+def write_results(results: dict, out: Path, finished: bool = False) -> None:
+    """results.json and results.md as they stand: after each part, and at the end (``finished``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    results.setdefault("meta", {})["finished"] = finished
+    verdict_of(results, results["meta"].get("smoke", False))
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    (out / "results.md").write_text(markdown(results))
 
 
 def check(entry: dict, name: str, ok: bool, detail: str) -> None:
@@ -316,8 +349,17 @@ def prefetch_checks(batch: int, budget: Budget, smoke: bool, work: Path) -> dict
     for dtype in ("uint8", "float32"):
         row = overlap(dtype, budget.cap(45), work)
         result["overlap"].append(row)
-        check(result, f"prefetch_overlap.py ran ({dtype})", row.get("overlap") is not None, row.get("error", ""))
+        check_overlap(result, row)
     return result
+
+
+def check_overlap(result: dict, row: dict) -> None:
+    """prefetch_overlap.py's figures for one dtype: it ran, and hid at least ``MIN_OVERLAP`` of the copy."""
+    dtype = row["dtype"]
+    check(result, f"prefetch_overlap.py ran ({dtype})", row.get("overlap") is not None, row.get("error", ""))
+    if row.get("overlap") is not None:
+        check(result, f"the copy overlaps the step ({dtype}): overlap >= {MIN_OVERLAP}",
+              row["overlap"] >= MIN_OVERLAP, f"overlap {row['overlap']:.2f}")
 
 
 def overwrite_check(batch: int, planted: bool, count: int = 8, sleep_ms: float = 40.0) -> dict:
@@ -498,22 +540,26 @@ def deliver(batches: Iterable[Any], limit_s: float, expected: Callable[[Any, Any
             channels_last: bool = False) -> dict:
     """Iterate ``batches`` through ``CudaPrefetcher`` (uint8 normalized on the device) until they end or
     ``limit_s``: samples/s and GB/s of images delivered into device memory, the steady rate after the
-    first batch, the prefetcher's host wait; the first two batches compared with ``expected``."""
+    first batch, the prefetcher's host wait; every batch compared with ``expected`` (on the device, its
+    largest difference kept there: no wait for the device per batch)."""
     import torch
 
     from transformer.client import CudaPrefetcher
 
     cuda = torch.cuda.is_available()
     prefetcher = CudaPrefetcher(batches, depth=2, channels_last=channels_last)
-    samples = 0
-    worst = 0.0
+    samples = compared = delivered = 0
+    worst: Any = 0.0
     first_s = first_samples = None
     started = time.perf_counter()
     complete = True
-    for number, batch in enumerate(prefetcher):
+    for batch in prefetcher:
+        delivered += 1
         images, labels = batch[0], batch[1]
-        if number < 2 and expected is not None:
-            worst = max(worst, expected(images, labels))
+        if expected is not None:
+            difference = expected(images, labels)
+            worst = difference if compared == 0 else torch.maximum(worst, difference)
+            compared += 1
         samples += len(labels)
         if first_s is None:
             if cuda:
@@ -528,7 +574,8 @@ def deliver(batches: Iterable[Any], limit_s: float, expected: Callable[[Any, Any
     steady = (samples - first_samples) / (seconds - first_s) if first_s is not None and seconds > first_s else None
     return {"samples": samples, "seconds": round(seconds, 3), "samples_per_s": samples / seconds,
             "steady_samples_per_s": steady, "first_batch_s": first_s, "wait_s": prefetcher.stats.wait_seconds,
-            "complete": complete, "max_abs_difference": worst}
+            "complete": complete, "max_abs_difference": float(worst), "batches_compared": compared,
+            "batches": delivered}
 
 
 def expectation(dtype: str, size: int) -> Callable[[Any, Any], float]:
@@ -540,13 +587,13 @@ def expectation(dtype: str, size: int) -> Callable[[Any, Any], float]:
     std = torch.tensor(STD).view(1, 3, 1, 1)
     cache: dict[str, torch.Tensor] = {}
 
-    def compare(batch: Any, labels: Any) -> float:
+    def compare(batch: Any, labels: Any) -> Any:
         device = str(batch.device)
         if device not in cache:
             cache[device] = images.to(device)
         wanted = cache[device][labels.to(batch.device) % DISTINCT]
         difference = (batch.float() - wanted).abs() * std.to(batch.device) * 255
-        return float(difference.max())
+        return difference.max()  # a tensor on the batch's device: the caller keeps the largest
 
     return compare
 
@@ -585,7 +632,7 @@ def floor_and_loaders(shards: dict, batch: int, workers: list[int], web_workers:
         for name, build in cases(paths):
             limit = budget.cap(case_s)
             if limit < 1:
-                rows.append({"dtype": dtype, "reader": name, "status": "skipped: out of time"})
+                rows.append({"dtype": dtype, "reader": name, "status": "cut: out of time"})
                 continue
             try:
                 row = deliver(build(), limit, compare)
@@ -595,15 +642,16 @@ def floor_and_loaders(shards: dict, batch: int, workers: list[int], web_workers:
             sample_bytes = 3 * size * size * (1 if dtype == "uint8" else 4)
             if "samples" in row:
                 row["gb_per_s"] = row["samples"] * sample_bytes / row["seconds"] / 1e9
-                row["status"] = "passed" if row["max_abs_difference"] <= 0.5 else "failed: wrong images"
+                right = row["max_abs_difference"] <= 0.5 and row["batches_compared"] == row["batches"]
+                row["status"] = "passed" if right else "failed: wrong images"
             rows.append({"dtype": dtype, "reader": name, **row})
             print(f"bench.gpu: loaders: {dtype} {name}: {row.get('samples_per_s', 0):.0f} samples/s, "
                   f"{row.get('gb_per_s', 0):.2f} GB/s, {row['status']}", flush=True)
     for row in rows:
         check(result, f"{row['dtype']} {row['reader']}", not row["status"].startswith("failed"), row["status"])
-    late = [f"{row['dtype']} {row['reader']}" for row in rows if row["status"].startswith("skipped")]
+    late = [f"{row['dtype']} {row['reader']}" for row in rows if row["status"].startswith("cut")]
     if late and result.get("status") != "failed":
-        result.update(status="skipped", reason=f"out of time for {len(late)} cases: {', '.join(late)}")
+        result.update(status="cut", reason=f"out of time for {len(late)} cases: {', '.join(late)}")
     return result
 
 
@@ -659,7 +707,7 @@ def training(shards: dict, batch: int, steps: int, workers: int, model_name: str
     for dtype in ("uint8", "float32"):
         limit = budget.cap(limit_s)
         if limit < 2:
-            result["fed"].append({"dtype": dtype, "status": "skipped: out of time"})
+            result["fed"].append({"dtype": dtype, "status": "cut: out of time"})
             continue
         # Drawn with replacement: one epoch of ``steps`` batches, the workers started once.
         loader = make_loader([str(p) for p in shards[dtype]], batch, num_workers=workers, split_by_node=False,
@@ -697,6 +745,9 @@ def training(shards: dict, batch: int, steps: int, workers: int, model_name: str
         print(f"bench.gpu: training: {dtype}: {row}", flush=True)
     for row in result["fed"]:
         check(result, f"fed by make_loader ({row['dtype']})", not row["status"].startswith("failed"), row["status"])
+    late = [row["dtype"] for row in result["fed"] if row["status"].startswith("cut")]
+    if late and result.get("status") != "failed":
+        result.update(status="cut", reason=f"out of time for the fed step: {', '.join(late)}")
     return result
 
 
@@ -740,20 +791,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.time()
     budget = Budget(args.budget)
-    results: dict[str, Any] = {"parts": {}}
+    results: dict[str, Any] = {"parts": {}, "meta": {
+        "command": "python -m bench.gpu " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)), "budget_s": args.budget,
+        "smoke": args.smoke}}
+    out = args.out
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as temporary:
         work = args.work or Path(temporary)
         work.mkdir(parents=True, exist_ok=True)
         if args.wheels is not None:
-            run_part(results, "install", lambda: install(args.wheels, work / "site"), budget, 0)
+            run_part(results, "install", lambda: install(args.wheels, work / "site"), budget, 0, out)
         results["environment"] = environment(args.smoke)
         cuda = results["environment"]["device"] is not None
         if not cuda and not args.smoke:
             results["parts"]["cuda"] = {"status": "failed", "reason": "no CUDA device: this run is for a GPU machine "
                                         "(--smoke runs the script anywhere)", "seconds": 0}
-        run_part(results, "tests", lambda: run_tests(args.tests, budget.cap(args.tests_s), work, cuda), budget, 20)
+        run_part(results, "tests", lambda: run_tests(args.tests, budget.cap(args.tests_s), work, cuda), budget, 20, out)
         run_part(results, "prefetch", lambda: prefetch_checks(args.batch if args.smoke else 64, budget, args.smoke,
-                                                              work), budget, 10)
+                                                              work), budget, 10, out)
         shards: dict = {}
         folder = shard_folder(work, args.gigabytes)
 
@@ -763,31 +818,23 @@ def main(argv: list[str] | None = None) -> int:
             return summary
 
         try:
-            run_part(results, "shards", make, budget, 10)
-            run_part(results, "bandwidth", lambda: bandwidth(args.batch, args.size), budget, 3)
+            run_part(results, "shards", make, budget, 10, out)
+            run_part(results, "bandwidth", lambda: bandwidth(args.batch, args.size), budget, 3, out)
             # What training needs is kept back from the loaders: their cases end earlier instead.
             reserve = 2 * args.train_s + 15
             loaders_budget = Budget(max(0.0, budget.left() - reserve))
             if shards:
                 run_part(results, "loaders", lambda: floor_and_loaders(
                     shards, args.batch, args.workers, args.web_workers, args.case_s, loaders_budget, args.size,
-                    args.passes), budget, 10)
+                    args.passes), budget, 10, out)
                 run_part(results, "training", lambda: training(
                     shards, args.batch, args.steps, args.train_workers, args.model, args.size, budget, args.train_s),
-                    budget, 10)
+                    budget, 10, out)
         finally:
             shutil.rmtree(folder, ignore_errors=True)  # in memory when it is under /dev/shm
-    results["meta"] = {"command": "python -m bench.gpu " + shlex.join(argv if argv is not None else sys.argv[1:]),
-                       "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
-                       "duration_s": round(time.time() - started, 1), "budget_s": args.budget}
-    failed = [name for name, part in results["parts"].items() if part["status"] == "failed"]
-    skipped = [name for name, part in results["parts"].items() if part["status"] == "skipped"]
-    results["ok"] = not failed and (args.smoke or not skipped)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
-    text = markdown(results)
-    (args.out / "results.md").write_text(text)
-    print(text, flush=True)
+    results["meta"]["duration_s"] = round(time.time() - started, 1)
+    write_results(results, out, finished=True)
+    print((out / "results.md").read_text(), flush=True)
     return 0 if results["ok"] else 1
 
 
@@ -798,7 +845,11 @@ def _figure(value: Any, digits: int = 0) -> str:
 def markdown(results: dict) -> str:
     env = results.get("environment", {})
     meta = results.get("meta", {})
-    lines = [f"# GPU check: {'passed' if results.get('ok') else 'FAILED'}", "",
+    cut = results.get("cut") or []
+    headline = "FAILED" if not results.get("ok") else "passed" + (f", cut for time: {', '.join(cut)}" if cut else "")
+    if not meta.get("finished", True):
+        headline += " (so far: the run has not finished)"
+    lines = [f"# GPU check: {headline}", "",
              f"{env.get('device') or 'no CUDA device'}, torch {env.get('torch')} (CUDA {env.get('cuda')}), "
              f"torchvision {env.get('packages', {}).get('torchvision')}, Python {env.get('python')}, "
              f"{env.get('cpus')} CPUs, /dev/shm {env.get('dev_shm_gib')} GiB; {meta.get('started')}, "

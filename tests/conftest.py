@@ -34,12 +34,27 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         return None
     from xdist.scheduler import LoadFileScheduling
 
+    last = not userns.can_leave_a_network_namespace()
+
     class OneFileForTheRealAis(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = super()._split_scope(nodeid)
             return "tests/ais/" if path.startswith("tests/ais/") else path
 
+        def _assign_work_unit(self, node: Any) -> None:
+            scope = next(iter(self.workqueue))
+            super()._assign_work_unit(node)
+            if scope == "tests/ais/" and last:  # its real-ETL tests end in their network namespace: nothing after
+                node.shutdown()
+
     return OneFileForTheRealAis(config, log)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if userns.stuck_in:
+        pytest.fail(f"{item.nodeid} would run inside the real-ETL tests' network namespace, which this process "
+                    f"could not leave ({userns.stuck_in[0]}): those tests must be the last this process runs",
+                    pytrace=False)
 
 
 @pytest.fixture(scope="session")

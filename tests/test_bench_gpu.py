@@ -54,6 +54,8 @@ def test_every_part_ran_and_the_cuda_ones_say_why_not(smoke: tuple[dict, str]) -
                                                  "make_loader, num_workers=1", "web_loader, num_workers=0"}
     assert {dtype for dtype, _ in readers} == {"uint8", "float32"}
     assert all(row["max_abs_difference"] <= 0.5 for row in parts["loaders"]["rows"])
+    assert all(row["batches_compared"] == row["batches"] > 0 for row in parts["loaders"]["rows"])
+    assert results["meta"]["finished"] is True and results["cut"] == []
     assert [row["dtype"] for row in parts["training"]["fed"]] == ["uint8", "float32"]
     assert all(row["steps"] > 0 and "steady_wait_s" in row for row in parts["training"]["fed"])
 
@@ -132,3 +134,54 @@ def test_carried_wheels_go_first_on_the_path_and_unmet_requirements_are_named(
     sys.modules.pop("carried_probe")
     with pytest.raises(RuntimeError, match="no wheels"):
         gpu.install(tmp_path / "site", tmp_path / "elsewhere")
+
+
+def test_every_loader_batch_is_compared_with_the_source() -> None:
+    compare = gpu.expectation("float32", 8)
+    images = torch.from_numpy(gpu.as_float32(gpu.distinct_images(8)))
+    labels = [torch.arange(i * 4, i * 4 + 4) for i in range(8)]
+    batches = [(images[batch % gpu.DISTINCT].clone(), batch) for batch in labels]
+    right = gpu.deliver(batches, 60, compare)
+    assert right["batches"] == right["batches_compared"] == 8 and right["max_abs_difference"] <= 0.5
+    batches[6][0][1] += 0.1  # the seventh batch: one image off by about 6 uint8 steps
+    wrong = gpu.deliver(batches, 60, compare)
+    assert wrong["batches_compared"] == 8 and wrong["max_abs_difference"] > 5
+
+
+def test_a_part_or_case_out_of_time_is_cut_not_failed(tmp_path: Path) -> None:
+    results: dict = {"parts": {}, "meta": {"smoke": False, "budget_s": 10}}
+    gone = gpu.Budget(0)
+    gpu.run_part(results, "tests", lambda: {"counts": {"passed": 1}}, gpu.Budget(60), 0, tmp_path)
+    gpu.run_part(results, "training", lambda: {}, gone, 10, tmp_path)
+    assert results["parts"]["training"]["status"] == "cut"
+    loaders = gpu.floor_and_loaders({"uint8": [tmp_path / "never-read.tar"]}, 4, [0], 0, 30, gone, 8, 1)
+    assert loaders["status"] == "cut" and {row["status"] for row in loaders["rows"]} == {"cut: out of time"}
+    gpu.verdict_of(results, smoke=False)
+    assert results["ok"] and results["cut"] == ["training"]
+    assert gpu.markdown(results).startswith("# GPU check: passed, cut for time: training")
+    results["parts"]["tests"]["status"] = "failed"
+    gpu.verdict_of(results, smoke=False)
+    assert not results["ok"] and gpu.markdown(results).startswith("# GPU check: FAILED")
+
+
+def test_results_are_written_after_each_part(tmp_path: Path) -> None:
+    results: dict = {"parts": {}, "meta": {"smoke": True, "budget_s": 10}}
+    gpu.run_part(results, "tests", lambda: {"counts": {"passed": 3}}, gpu.Budget(60), 0, tmp_path)
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert written["parts"]["tests"]["counts"] == {"passed": 3} and written["meta"]["finished"] is False
+    assert (tmp_path / "results.md").read_text().startswith("# GPU check: passed (so far: the run has not finished)")
+    gpu.run_part(results, "prefetch", lambda: {"status": "failed", "reason": "overwritten"}, gpu.Budget(60), 0,
+                 tmp_path)
+    assert json.loads((tmp_path / "results.json").read_text())["parts"]["prefetch"]["status"] == "failed"
+
+
+def test_the_overlap_has_a_threshold() -> None:
+    hidden: dict = {"status": "passed"}
+    gpu.check_overlap(hidden, {"dtype": "uint8", "overlap": 0.93})
+    assert hidden["status"] == "passed"
+    serial: dict = {"status": "passed"}
+    gpu.check_overlap(serial, {"dtype": "float32", "overlap": 0.04})
+    assert serial["status"] == "failed" and "overlap >= 0.5" in serial["reason"]
+    broken: dict = {"status": "passed"}
+    gpu.check_overlap(broken, {"dtype": "uint8", "error": "stopped after 45 s"})
+    assert broken["status"] == "failed" and "prefetch_overlap.py ran (uint8)" in broken["reason"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import multiprocessing
 import tarfile
 import threading
 import time
@@ -130,17 +131,30 @@ def test_resampled_stream_has_the_epoch_length(tmp_path: Path) -> None:
         make_loader(urls, 3, resampled=True)
 
 
-def test_bad_samples_and_shards_are_counted_and_skipped_without_sleeping(tmp_path: Path) -> None:
+def test_bad_samples_and_shards_are_counted_and_skipped_without_sleeping(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     urls = write_shards(tmp_path, 3, 10, broken={3: "npy", 4: "cls", 5: "npy"})
     truncated = tmp_path / "truncated.tar"
     truncated.write_bytes(Path(urls[2]).read_bytes()[:3000])
     urls[2] = str(truncated)
     urls.append(str(tmp_path / "missing.tar"))
     errors = ErrorCounter()
+    # webdataset's warn_and_continue sleeps 0.5 s per error: every sleep the workers ask for is summed here
+    # (a shared value, and time.sleep patched before the DataLoader forks them), not read off a loaded clock
+    assert torch.multiprocessing.get_start_method() == "fork", "the workers must inherit the patched time.sleep"
+    slept = multiprocessing.Value("d", 0.0)
+    real_sleep = time.sleep
+
+    def counted_sleep(seconds: float) -> None:
+        with slept.get_lock():
+            slept.value += seconds
+        real_sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", counted_sleep)
     loader = make_loader(urls, 4, keys=KEYS, num_workers=2, errors=errors)
-    started = time.monotonic()
     seen = epoch_samples(loader)
-    assert time.monotonic() - started < 20  # webdataset's warn_and_continue would sleep 0.5 s per error
+    assert slept.value < 0.5, f"the loader slept {slept.value:.1f} s over {errors.count} errors"
     labels = {label for _, label in seen}
     assert labels >= set(range(10, 20)) and not labels & {3, 4, 5}
     assert errors.count >= 5  # 3 bad samples, the truncated shard, the missing shard

@@ -14,7 +14,6 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -141,6 +140,8 @@ def test_two_ranks_resume_their_own_shards(served_proxy: FakeProxy, monkeypatch:
 
 
 def metric(service: Service, name: str, labels: str = "") -> float:
+    import httpx  # the service's side (tests marked server): not on the GPU machine
+
     text = httpx.get(service.url + "/metrics", timeout=5.0).text
     found = re.search(re.escape(name + (("{" + labels + "}") if labels else "")) + r" ([0-9.e+-]+)$", text, re.M)
     return float(found.group(1)) if found else 0.0

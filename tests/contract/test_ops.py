@@ -35,10 +35,11 @@ def test_health_stays_fast_while_all_cores_transform_shards(service: Service, di
     photo = jpeg_bytes(0, size=(1600, 1200))  # big decodes: a few seconds of work for both workers
     fqn = disk.put("load", "busy.tar", make_tar([(f"big-{i:04d}.jpg", photo) for i in range(80)]))
     url = f"{service.url}/load/busy.tar?{fqn_query(fqn)}"
-    curl = ["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "-X", "PUT", "-H", "Content-Length: 0",
-            "--max-time", "120", url]
+    curl = ["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code} %{time_total}", "-X", "PUT", "-H",
+            "Content-Length: 0", "--max-time", "120", url]
     loaders = [subprocess.Popen(curl, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(4)]
     probes: list[float] = []
+    shard_seconds: list[float] = []
     try:
         time.sleep(0.2)  # let the transforms get going
         with httpx.Client(timeout=5.0) as probe:
@@ -51,14 +52,21 @@ def test_health_stays_fast_while_all_cores_transform_shards(service: Service, di
     finally:
         for loader in loaders:
             out, _ = loader.communicate(timeout=120)
-            assert out == b"200", f"load request failed: {out!r}"
+            status, _, seconds = out.decode().partition(" ")
+            assert status == "200", f"load request failed: {out!r}"
+            shard_seconds.append(float(seconds))
     assert len(probes) >= 5, f"only {len(probes)} probes while busy; load too light to tell"
     probes.sort()
-    assert statistics.median(probes) < 0.1, f"median /health {statistics.median(probes):.3f}s under load"
-    assert probes[int(0.9 * (len(probes) - 1))] < 0.1, f"p90 /health {probes[int(0.9 * (len(probes) - 1))]:.3f}s"
-    assert probes[-1] < 1.0, f"slowest /health {probes[-1]:.3f}s under load"
-    print(f"/health under load: {len(probes)} probes, median {statistics.median(probes) * 1000:.1f} ms, "
-          f"max {probes[-1] * 1000:.1f} ms")
+    median, p90, shard = statistics.median(probes), probes[int(0.9 * (len(probes) - 1))], min(shard_seconds)
+    print(f"/health under load: {len(probes)} probes, median {median * 1000:.1f} ms, p90 {p90 * 1000:.1f} ms, "
+          f"max {probes[-1] * 1000:.1f} ms; a shard took {shard:.2f} s or more")
+    # Ratios in this one run, so a slower or busier machine moves both sides: a /health that waits for the
+    # transform (an event loop blocked by a shard's work) waits out about half a shard per probe, while a
+    # free loop answers in milliseconds even when it waits for a core (docs/reliability.md: p99 318 ms on
+    # an oversubscribed machine, against shards of seconds here).
+    assert median < 0.1 * shard, f"median /health {median:.3f} s against shards of {shard:.2f} s"
+    assert p90 < 0.25 * shard, f"p90 /health {p90:.3f} s against shards of {shard:.2f} s"
+    assert probes[-1] < 5.0, f"slowest /health {probes[-1]:.3f} s: over the readiness probe's 5 s timeout"
 
 
 def _metrics(client: httpx.Client) -> dict[tuple[str, frozenset], float]:

@@ -31,6 +31,7 @@ from .errors import (
     LoaderStateError,
     SampleError,
     ShardFetchError,
+    SharedMemoryError,
     ShuffleError,
 )
 from .loader import EtlLoader, make_loader
@@ -84,6 +85,7 @@ __all__ = [
     "ResumeError",
     "SampleError",
     "ShardFetchError",
+    "SharedMemoryError",
     "ShuffleError",
     "ShuffleResult",
     "check_offline_options",

@@ -10,10 +10,14 @@ Never is memory the consumer still holds filled again.
 
 from __future__ import annotations
 
+import os
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from .errors import SharedMemoryError
 
 
 class _Recycler:
@@ -101,8 +105,9 @@ class _SharedSlots:
     a segment of its own that is not kept.
     """
 
-    def __init__(self, flags: np.ndarray):
+    def __init__(self, flags: np.ndarray, budget: ShmBudget | None = None):
         self.flags = flags
+        self.budget = budget
         self.storages: list[torch.UntypedStorage | None] = [None] * len(flags)
 
     def take(self, nbytes: int) -> tuple[int, torch.UntypedStorage]:
@@ -114,7 +119,12 @@ class _SharedSlots:
                     return slot, storage
                 if free < 0:
                     free = slot
-        storage = torch.UntypedStorage._new_shared(nbytes)
+        try:
+            storage = torch.UntypedStorage._new_shared(nbytes)
+        except RuntimeError as exc:  # torch's "unable to allocate shared memory(shm) ...: No space left on device"
+            if "shared memory" not in str(exc) and "No space left" not in str(exc):
+                raise
+            raise SharedMemoryError(shm_message(nbytes, self.budget, str(exc))) from exc
         if free >= 0:  # an unused slot, or one whose segment has another size: this one replaces it
             self.storages[free] = storage
             self.flags[free] = 1
@@ -122,6 +132,50 @@ class _SharedSlots:
 
     def free(self, slot: int) -> None:
         self.flags[slot] = 0
+
+
+SHM = "/dev/shm"
+
+
+@dataclass(frozen=True)
+class ShmBudget:
+    """What sets how many batches a loader keeps in shared memory at once (docs/client.md): per worker,
+    its open batches (the shuffle), ``prefetch_factor`` more on their way, and 2 in the training loop
+    (the batch it works on, and the one before, still referenced while the next one arrives)."""
+
+    workers: int
+    prefetch_factor: int
+    open_batches: int
+
+    @property
+    def batches(self) -> int:
+        return self.workers * (self.open_batches + self.prefetch_factor + 2)
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f} MB"
+
+
+def shm_message(nbytes: int, budget: ShmBudget | None, reason: str) -> str:
+    """Why a worker's batch found no room in /dev/shm, what the loader needs there, and the ways out."""
+    try:
+        stat = os.statvfs(SHM)
+        room = f"{SHM} has {_mb(stat.f_bavail * stat.f_frsize)} free of {_mb(stat.f_blocks * stat.f_frsize)}"
+    except OSError as exc:
+        room = f"{SHM} cannot be read ({exc.strerror})"
+    need, size = "", "8g"
+    if budget is not None:
+        total = budget.batches * nbytes
+        size = f"{max(64, -(-total * 5 // 4 // 2**20))}m"  # a quarter more, for what else lives there
+        need = (f" With {budget.workers} workers, prefetch_factor {budget.prefetch_factor} and "
+                f"{budget.open_batches} open batches per worker (shuffle_buffer / batch_size) this loader keeps up "
+                f"to {budget.workers} x ({budget.open_batches} + {budget.prefetch_factor} + 2) = {budget.batches} "
+                f"such batches there, about {_mb(total)} (docs/client.md).")
+    return (f"a DataLoader worker cannot allocate a {_mb(nbytes)} batch tensor in shared memory: {room} "
+            f"({reason.strip()}). Batches from DataLoader workers live in {SHM}.{need} Docker and podman give a "
+            f"container 64 MB unless run with --shm-size (here: --shm-size={size}); on Kubernetes mount an emptyDir "
+            f"with medium: Memory (and a sizeLimit) at {SHM}. Or lower num_workers, prefetch_factor, "
+            f"shuffle_buffer or batch_size.")
 
 
 class _Lent:

@@ -17,7 +17,7 @@ import random
 from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
 
-from .errors import ClientError
+from .errors import ClientError, SharedMemoryError
 
 log = logging.getLogger("transformer.client")
 
@@ -43,6 +43,8 @@ class ErrorCounter:
             self._count.value = 0
 
     def __call__(self, exc: BaseException) -> bool:
+        if isinstance(exc, SharedMemoryError):  # the machine's, not a shard's: every later batch would fail too
+            raise exc
         with self._count.get_lock():
             self._count.value += 1
             seen = self._count.value

@@ -142,5 +142,10 @@ def etl_hint(ais_message: str) -> str:
     return ""
 
 
+class SharedMemoryError(ClientError, OSError):
+    """A DataLoader worker's batch does not fit in ``/dev/shm``, where batches from workers live: the
+    message says how much there is, about how much this loader needs, and how to give it more."""
+
+
 class LoaderStateError(ClientError, ValueError):
     """A saved loader state this loader cannot resume from: another configuration, or another format."""

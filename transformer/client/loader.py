@@ -25,7 +25,7 @@ import torch
 from webdataset.utils import pytorch_worker_info
 
 from .batching import _Batcher
-from .batchmemory import _SHARED_SLOTS, _Lent, _SharedSlots
+from .batchmemory import _SHARED_SLOTS, ShmBudget, _Lent, _SharedSlots
 from .epoch import ErrorCounter, epoch_urls, shard_order
 from .errors import ClientError
 from .resume import _Config, _Position, _Snapshot, position_of, state_of
@@ -55,6 +55,7 @@ class _Streams(torch.utils.data.IterableDataset):
         self.start: dict[int, dict[str, Any]] = {}
         self.first = 0
         self.flags: torch.Tensor | None = None
+        self.budget: ShmBudget | None = None  # set with flags: what a worker's error says the loader needs
 
     def spec(self, worker: int) -> StreamSpec:
         c = self.config
@@ -78,7 +79,8 @@ class _Streams(torch.utils.data.IterableDataset):
         start = self.start.get(worker)
         spec = self.spec(worker)
         config = self.config
-        slots = _SharedSlots(self.flags[worker].numpy()) if info is not None and self.flags is not None else None
+        slots = (_SharedSlots(self.flags[worker].numpy(), self.budget)
+                 if info is not None and self.flags is not None else None)
         batcher = _Batcher(config.batch_size, config.keys, config.last_batch, config.open_batches, spec.buffer_key,
                            slots)
         shuffles = len(batcher.batches) > 1
@@ -203,6 +205,7 @@ class EtlLoader:
         prefetch = self.dataloader.prefetch_factor or 2
         per_worker = (config.open_batches + prefetch + 4) * len(config.keys)
         streams.flags = torch.zeros((config.streams, per_worker), dtype=torch.int8).share_memory_()
+        streams.budget = ShmBudget(config.streams, prefetch, config.open_batches)
         return _Lent(streams.flags)
 
     def __len__(self) -> int:

@@ -40,7 +40,7 @@ from webdataset.tariterators import base_plus_ext
 from ..errors import ShardError
 from ..integrity import END_MARKER_NAME, IncompleteShard, ShardCheck
 from ..shards import BLOCK, Member, _Chunks, _decompressed, _Headers, header_from, plain_member
-from .errors import ShardFetchError
+from .errors import ShardFetchError, SharedMemoryError
 
 log = logging.getLogger("transformer.client")
 
@@ -180,7 +180,7 @@ def shard_samples(stream: BinaryIO, url: str, *, require_marker: bool = True, ar
                 continue
             data = _payload(chunks, size, name, url)
             fields[extension] = data if type(data) is bytes else bytes(data)
-    except (IncompleteShard, _Duplicate):
+    except (IncompleteShard, _Duplicate, SharedMemoryError):  # the last: no room for a batch, not a bad shard
         raise
     except ShardError as exc:
         raise check.incomplete(exc.reason) from None

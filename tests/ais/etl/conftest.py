@@ -4,8 +4,10 @@ One cluster (``tests/ais/etl_cluster.py``: a proxy and two targets in Kubernetes
 Kubernetes that runs each ETL pod as ``wds-transform serve``, or, under ``make test-image``, as a
 podman container of the built image) serves every test of this package. The
 test process's main thread enters the cluster's network namespace when the first test asks for it
-and leaves it when the package ends; the ``ais_etl`` tests are moved to the end of the run, so a
-process that cannot leave (an unprivileged user namespace) runs nothing else inside it. At the end
+and leaves it when the package ends; the ``ais_etl`` tests are moved to the end of the run, and under
+``make test``'s ``-n 2 --dist loadfile`` a worker that cannot leave (an unprivileged run: root in a user
+namespace) takes no file after ``tests/ais/`` (``tests/conftest.py``'s scheduler), so it runs nothing else
+inside it; should any test come after anyway, it fails, naming why. At the end
 the fixture checks that no aisnode and no pod process is left, and that AIS asked the fake
 Kubernetes for nothing it does not serve. Without the privileges a network namespace needs, these
 tests fail with the reason, never skip. With ``AIS_WDS_KUBE=real`` (``make test-k8s``) the same tests run
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import userns
 from tests.ais.cluster import AisnodeUnavailable
 from tests.ais.etl_cluster import NODES, EtlCluster, NamespaceUnavailable, enter_network_namespace, start_etl_cluster
 from tests.ais.pods import PodRuntimeUnavailable
@@ -56,8 +59,6 @@ def etl_cluster(aisnode: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     try:
         namespace = enter_network_namespace(list(NODES.values()))
     except NamespaceUnavailable as exc:
-        from tests import userns
-
         why = f" (a user namespace could not be entered: {userns.problem})" if userns.problem else ""
         pytest.fail(f"{exc}{why}", pytrace=False)
     try:
@@ -80,8 +81,10 @@ def etl_cluster(aisnode: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         unexpected = cluster.kube.unexpected
         assert not unexpected, f"AIS made Kubernetes calls the fake does not serve: {unexpected}"
     finally:
-        with contextlib.suppress(OSError):  # an unprivileged user namespace cannot go back; these tests run last
+        try:
             namespace.leave()
+        except OSError as exc:  # root in a user namespace cannot go back: these tests then are this process's last
+            userns.stuck_in.append(str(exc))
 
 
 def _on_real_kubernetes(aisnode: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtlCluster]:

@@ -361,13 +361,20 @@ def _debs_current(cache: Path) -> bool:
     return _current(cache / "debs" / "root", cache / "debs" / "root.stamp", debs_stamp(deb_packages()))
 
 
-def _iptables() -> Path:
+def host_iptables() -> Path | None:
+    """The host's iptables (kube-proxy's rules are the host's, so it cannot come from the cache), or None."""
     found = shutil.which("iptables") or ("/usr/sbin/iptables" if os.access("/usr/sbin/iptables", os.X_OK) else None)
+    return Path(found) if found else None
+
+
+def _iptables() -> Path:
+    found = host_iptables()
     if found is None:
         raise KubernetesUnavailable(
             "kube-proxy needs iptables, which is not on PATH (nor /usr/sbin/iptables): apt-get install iptables"
+            " (make test-k8s installs it when missing)"
         )
-    return Path(found)
+    return found
 
 
 def _tools(cache: Path) -> Tools:

@@ -33,7 +33,13 @@ replace k8s.io/cri-api => ./staging/src/k8s.io/cri-api
 
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty cache, and a fake host iptables: these tests check the cache logic, not the host's tools."""
     monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "cache"))
+    fake = tmp_path / "host" / "iptables"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(build, "host_iptables", lambda: fake)
     return tmp_path / "cache"
 
 
@@ -99,7 +105,31 @@ def test_a_finished_build_is_reused_without_go(cache: Path, monkeypatch: pytest.
     assert tools.containerd_shim == cache / "debs/root/usr/bin/containerd-shim-runc-v2"
     assert all(path.is_absolute() and path.exists() for path in tools.paths().values())
     assert tools.version == "v1.34.4"
+    assert tools.iptables == cache.parent / "host" / "iptables"
     assert build.pause_binary() == cache / "bin" / "pause"
+
+
+def test_without_iptables_the_error_names_it_and_the_fix_before_any_build(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A cache that needs a rebuild and no Go: the iptables check must come first, not after minutes of building.
+    monkeypatch.setattr(build, "host_iptables", lambda: None)
+    _no_go(monkeypatch)
+    with pytest.raises(build.KubernetesUnavailable) as error:
+        build.install_kubernetes()
+    assert "kube-proxy needs iptables" in str(error.value)
+    assert "apt-get install iptables" in str(error.value) and "make test-k8s" in str(error.value)
+    _fake_cache(cache)
+    with pytest.raises(build.KubernetesUnavailable, match="kube-proxy needs iptables"):
+        build.cached_tools()
+
+
+def test_the_host_lookup_finds_iptables_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = tmp_path / "iptables"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert build.host_iptables() == fake
 
 
 def test_a_changed_kubernetes_stamp_means_a_rebuild(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
