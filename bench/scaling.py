@@ -232,8 +232,39 @@ def project(rate_per_core: float, ceiling: float | None, cores: int) -> float:
     return rate_per_core * usable
 
 
-def service(work: Path, workers: int, processes: int, name: str) -> Server:
-    return start_service(work / "logs", work, workers, {"ETL_PROCESSES": str(processes)}, name=name).ready()
+STARTS: list[dict] = []  # every service start: seconds from the command to /health = 200
+
+
+def service(work: Path, workers: int, processes: int | None, name: str) -> Server:
+    """The pod with ``workers`` transform threads over ``processes`` worker processes (None: the default)."""
+    extra = {} if processes is None else {"ETL_PROCESSES": str(processes)}
+    start = time.monotonic()
+    server = start_service(work / "logs", work, workers, extra, name=name).ready()
+    STARTS.append({"name": name, "workers": workers, "processes": processes, "seconds": time.monotonic() - start})
+    return server
+
+
+def sweep_cores(args: argparse.Namespace, work: Path, imagenet: list[data.Shard]) -> list[dict]:
+    """images/s at each worker count of ``--sweep``: both designs and the peer (a machine with that many cores)."""
+    rows = []
+    for workers in args.sweep:
+        for design, processes in (("threads", 0), ("processes", None)):
+            server = service(work, workers, processes, f"sweep-{design}-{workers}")
+            try:
+                run_ = measure(server, design, workers, processes if processes is not None else -1,
+                               "imagenet-train", "imagenet", imagenet, args.seconds, spy=workers == max(args.sweep))
+                rows.append(run_.summary())
+            finally:
+                server.stop()
+        if args.peer:
+            server = start_peer(work / "logs", workers, name=f"sweep-peer-{workers}").ready()
+            try:
+                images, wall, _, cpu = drive(server, imagenet, "", args.seconds, spy=False)
+                rows.append({"design": "peer", "workers": workers, "images_per_second": images / wall,
+                             "cpu_ms_per_image": 1000 * cpu / images if images else 0.0})
+            finally:
+                server.stop()
+    return rows
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -242,6 +273,9 @@ def run(args: argparse.Namespace) -> dict:
     imagenet = data.demo_shards(work, args.shards, args.samples)
     photos = data.photo_shards(work, 2, args.photos) if args.photos else []
     seconds = args.seconds
+    if args.sweep:
+        rows = sweep_cores(args, work, imagenet)
+        return report(args, [], [], [], [], rows)
     designs = [("threads", 2, 0), ("processes", 2, 2)]
     loads: list[LoadRun] = []
     for design, workers, processes in designs:
@@ -290,7 +324,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def report(args: argparse.Namespace, loads: list[LoadRun], sweep: list[LoadRun], memory: list[dict],
-           peer: list[dict]) -> dict:
+           peer: list[dict], cores_sweep: list[dict] | None = None) -> dict:
     projections = {}
     for design in ("threads", "processes"):
         runs = [r for r in loads if r.design == design and r.preset == "imagenet-train" and r.images_kind == "imagenet"]
@@ -316,12 +350,14 @@ def report(args: argparse.Namespace, loads: list[LoadRun], sweep: list[LoadRun],
         "memory": memory,
         "peer": peer,
         "projection": projections,
+        "starts": STARTS,
+        "cores_sweep": cores_sweep or [],
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "scaling.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "scaling.md").write_text(markdown(result))
-    if not args.smoke:
+    if not args.smoke and not args.sweep:
         plot(result, out / "scaling.png")
     return result
 
@@ -359,6 +395,23 @@ def markdown(result: dict) -> str:
         for row in result["peer"]:
             lines.append(f"| SDK peer (uvicorn --workers) | {row['workers']} | {row['images_per_second']:,.0f} | "
                          f"{row['cpu_ms_per_image']:.2f} |")
+    if result["cores_sweep"]:
+        lines += ["", "## Measured on this machine by workers (imagenet-train, float32)\n",
+                  "| workers | threads | processes | SDK peer | processes / 1-worker x workers |",
+                  "|---|---|---|---|---|"]
+        by = {(r["design"], r["workers"]): r["images_per_second"] for r in result["cores_sweep"]}
+        one = by.get(("processes", min(w for _, w in by)))
+        for workers in sorted({w for _, w in by}):
+            rate = by.get(("processes", workers))
+            efficiency = f"{rate / (one * workers):.2f}" if rate and one else "n/a"
+            lines.append(f"| {workers} | {by.get(('threads', workers), 0):,.0f} | {rate or 0:,.0f} | "
+                         f"{by.get(('peer', workers), 0):,.0f} | {efficiency} |")
+    if result["starts"]:
+        lines += ["", "## Start (the command to /health = 200)\n", "| service | workers | processes | seconds |",
+                  "|---|---|---|---|"]
+        for row in result["starts"]:
+            processes = "default" if row["processes"] is None else row["processes"]
+            lines.append(f"| {row['name']} | {row['workers']} | {processes} | {row['seconds']:.1f} |")
     if result["projection"]:
         lines += ["", "## Projection (images/s; the per-core rate measured here on min(cores, ceiling) cores)\n",
                   "| cores | " + " | ".join(result["projection"]) + " |",
@@ -426,6 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--photos", type=int, default=12, help="6 MP photos per photo shard (0: none)")
     parser.add_argument("--no-peer", dest="peer", action="store_false", help="skip the SDK peer")
     parser.add_argument("--smoke", action="store_true", help="one short case per design, no peer, no plot")
+    parser.add_argument("--sweep", type=lambda text: [int(n) for n in text.split(",")], default=[],
+                        help="only images/s at these worker counts, both designs and the peer (e.g. 1,2,4,8,16 on "
+                             "a 16-core machine)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.seconds, args.shards, args.samples, args.photos, args.peer = min(args.seconds, 4.0), 2, 40, 0, False
