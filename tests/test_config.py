@@ -58,6 +58,7 @@ def test_every_variable_is_read(tls_files: TlsFiles) -> None:
         "ETL_IMAGE_EXTS": " JPG, .png ,tif",
         "ETL_MASK_EXTS": "Label.PNG",
         "ETL_WORKERS": "5",
+        "ETL_PROCESSES": "2",
         "ETL_WINDOW": "3",
         "ETL_MAX_INFLIGHT": "9",
         "ETL_OBJ_TIMEOUT": "1m30s",
@@ -86,7 +87,7 @@ def test_every_variable_is_read(tls_files: TlsFiles) -> None:
     assert s.transforms == [{"Resize": {"size": 64}}]
     assert (s.dtype, s.layout, s.on_error, s.seed) == ("float16", "HWC", "fail", -12)
     assert s.image_exts == {"jpg", "png", "tif"} and s.mask_exts == {"label.png"}
-    assert (s.workers, s.window, s.max_inflight) == (5, 3, 9)
+    assert (s.workers, s.processes, s.window, s.max_inflight) == (5, 2, 3, 9)
     assert s.obj_timeout == 90.0
     assert (s.max_member_bytes, s.max_shard_bytes, s.max_image_pixels) == (1024, 2**20, 4096)
     assert s.fqn_roots == (os.path.realpath("/ais/mp1"), os.path.realpath("/ais/mp3"))
@@ -108,10 +109,13 @@ def test_from_env_reads_the_process_environment(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_window_and_inflight_default_from_workers() -> None:
-    settings = Settings.from_env({"ETL_WORKERS": "4", "ETL_WINDOW": "", "ETL_MAX_INFLIGHT": " "})
+    settings = Settings.from_env({"ETL_WORKERS": "4", "ETL_PROCESSES": "0", "ETL_WINDOW": "", "ETL_MAX_INFLIGHT": " "})
     assert (settings.window, settings.max_inflight) == (10, 80)
-    settings = Settings.from_env({"ETL_WORKERS": "4", "ETL_WINDOW": "3"})
+    settings = Settings.from_env({"ETL_WORKERS": "4", "ETL_PROCESSES": "0", "ETL_WINDOW": "3"})
     assert (settings.window, settings.max_inflight) == (3, 24)  # room for 8 shards' windows
+    # In worker processes a shard runs on its process's threads (2 here); each process has room for 8 windows.
+    settings = Settings.from_env({"ETL_WORKERS": "4"})
+    assert (settings.processes, settings.window, settings.max_inflight) == (2, 6, 96)
 
 
 @pytest.mark.parametrize(

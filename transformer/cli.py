@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from .errors import TransformerError
@@ -68,6 +69,10 @@ def _serve(args: argparse.Namespace) -> int:
     from .redact import configure, install_logging, redact, uvicorn_log_config
 
     configure(os.environ.get("AIS_TARGET_URL", ""))  # before anything is written: the ETL secret stays out
+    if _worker_processes_likely(os.environ):
+        from .forkserver import start_fork_server
+
+        start_fork_server()  # it imports torch in a process of its own while this one does the same
     try:
         settings = Settings.from_env()  # fail fast, before binding the port, on a bad setting
     except TransformerError as exc:
@@ -109,6 +114,18 @@ def _serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=int(settings.obj_timeout),
     )
     return 0
+
+
+def _worker_processes_likely(env: Mapping[str, str]) -> bool:
+    """Whether the settings will ask for transform worker processes, read without torch (a bad value: no)."""
+    from .config import available_cpus, processes_for
+
+    try:
+        workers = int(env.get("ETL_WORKERS", "").strip() or available_cpus())
+        raw = env.get("ETL_PROCESSES", "").strip()
+        return (int(raw) if raw else processes_for(workers)) > 0
+    except ValueError:
+        return False
 
 
 def _apply(args: argparse.Namespace) -> int:

@@ -32,10 +32,14 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "ETL_SEED": ("", "Default augmentation seed; empty means fresh randomness per request."),
     "ETL_IMAGE_EXTS": ("jpg,jpeg,png,webp", "Member extensions (last suffix) decoded as images."),
     "ETL_MASK_EXTS": ("trimap.png,mask.png,seg.png", "Full member extensions treated as masks."),
-    "ETL_WORKERS": ("", "Transform threads; empty = the CPUs this container may use (cgroup aware)."),
-    "ETL_WINDOW": ("", "Samples in flight per shard; empty = 2 x workers + 2."),
+    "ETL_WORKERS": ("", "Transform threads in all; empty = the CPUs this container may use (cgroup aware)."),
+    "ETL_PROCESSES": ("", "Transform worker processes the threads are spread over (each shard runs in one); 0 = "
+                      "the server's own process. Empty = 0 up to 2 workers, else one per 3 workers "
+                      "(docs/performance.md, \"Cores\")."),
+    "ETL_WINDOW": ("", "Samples in flight per shard; empty = 2 x the threads a shard runs on + 2 (workers, or "
+                   "workers / processes)."),
     "ETL_MAX_INFLIGHT": ("", "Samples in flight across all shards (memory: each holds its input and, once "
-                         "transformed, its output until written); empty = 8 x the window."),
+                         "transformed, its output until written); empty = 8 x the window, per process."),
     "ETL_OBJ_TIMEOUT": ("300s", "Time budget per object, same as the ETL's obj_timeout (Go duration or seconds)."),
     "ETL_MAX_MEMBER_BYTES": ("268435456", "Largest tar member accepted (bytes); larger fails the shard."),
     "ETL_MAX_SHARD_BYTES": ("17179869184", "Largest shard accepted (bytes, any comm type); larger is refused with 413. "
@@ -89,6 +93,21 @@ def parse_duration(text: str, name: str) -> float:
     return value
 
 
+def processes_for(workers: int) -> int:
+    """ETL_PROCESSES' default: none (threads of the server process) up to 2 workers, else one per 3 workers.
+
+    A transform thread holds its process's GIL about a quarter of its time, so three threads keep a
+    worker's GIL under about three quarters busy. Two cores gain nothing from a worker process and
+    would pay for relaying every byte through the server (docs/performance.md, "Cores").
+    """
+    return 0 if workers <= 2 else math.ceil(workers / 3)
+
+
+def shard_threads(workers: int, processes: int) -> int:
+    """The transform threads one shard runs on: all of them, or those of the one worker process it is given."""
+    return workers if processes == 0 else math.ceil(workers / processes)
+
+
 def available_cpus() -> int:
     """CPUs this process may use: the affinity mask, capped by the cgroup's CPU quota (a K8s CPU limit), read from
     cgroup v2's ``cpu.max`` or, on a cgroup v1 node, ``cpu.cfs_quota_us`` and ``cpu.cfs_period_us``."""
@@ -130,6 +149,7 @@ class Settings:
     image_exts: frozenset[str] = frozenset({"jpg", "jpeg", "png", "webp"})
     mask_exts: frozenset[str] = frozenset({"trimap.png", "mask.png", "seg.png"})
     workers: int = 1
+    processes: int = 0  # transform worker processes (server/processes.py); 0: threads of the server process
     window: int = 4
     max_inflight: int = 8
     obj_timeout: float = 300.0
@@ -193,7 +213,11 @@ class Settings:
         seed_text = get("ETL_SEED")
         seed = integer("ETL_SEED", -(2**63)) if seed_text else None
         workers = integer("ETL_WORKERS", 1, default=available_cpus())
-        window = integer("ETL_WINDOW", 1, default=2 * workers + 2)
+        processes = integer("ETL_PROCESSES", 0, default=processes_for(workers))
+        if processes > workers:
+            raise ConfigError("ETL_PROCESSES", f"{processes} processes for {workers} transform threads (ETL_WORKERS): "
+                              "each process needs at least one")
+        window = integer("ETL_WINDOW", 1, default=2 * shard_threads(workers, processes) + 2)
         image_exts = frozenset(e.strip().lower().lstrip(".") for e in get("ETL_IMAGE_EXTS").split(",") if e.strip())
         if not image_exts:
             raise ConfigError("ETL_IMAGE_EXTS", "needs at least one extension")
@@ -238,11 +262,12 @@ class Settings:
             image_exts=image_exts,
             mask_exts=mask_exts,
             workers=workers,
+            processes=processes,
             window=window,
             # Room for the windows of the 8 shards AIS sends at once (8 ws connections per offline job
             # per target): with fewer slots than the shards' windows, each driver waits for a slot per
             # sample, a wake-up per sample (docs/performance.md gives the figure).
-            max_inflight=integer("ETL_MAX_INFLIGHT", 1, default=MAX_INFLIGHT_SHARDS * window),
+            max_inflight=integer("ETL_MAX_INFLIGHT", 1, default=MAX_INFLIGHT_SHARDS * window * max(1, processes)),
             obj_timeout=parse_duration(get("ETL_OBJ_TIMEOUT"), "ETL_OBJ_TIMEOUT"),
             max_member_bytes=integer("ETL_MAX_MEMBER_BYTES", 1),
             max_shard_bytes=integer("ETL_MAX_SHARD_BYTES", 1),

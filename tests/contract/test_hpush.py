@@ -259,8 +259,9 @@ sys.exit(main(["serve", "--host", "127.0.0.1", "--port", sys.argv[1]]))
 
 def test_a_bug_mid_stream_keeps_its_traceback(target: FakeTarget, disk: AisDisk, logs: Path) -> None:
     port = free_port()
+    # The bug is planted in this process's jobs.transform_shard, so the shard runs on its threads.
     server = Service("transformer-buggy", [sys.executable, "-c", _BUGGY_SERVER, str(port)],
-                     transformer_env(target, disk), logs, port).wait_healthy(90)
+                     transformer_env(target, disk, ETL_PROCESSES="0"), logs, port).wait_healthy(90)
     try:
         with pytest.raises(httpx.TransportError), httpx.stream(
                 "PUT", f"{server.url}/train/buggy.tar", content=make_tar(imagenet_like_members(24, extra=False)),

@@ -195,12 +195,13 @@ def test_ws_one_connection_carries_request_after_request(service: Service) -> No
 
 
 def test_ws_reply_is_one_message_sent_in_many_frames(service: Service, disk: AisDisk) -> None:
-    members = imagenet_like_members(8)
+    # 12 float32 samples, 7 MB: more than one of the 4 MiB frames a worker process gathers output into.
+    members = imagenet_like_members(12)
     fqn = disk.put("train", "ws-frames.tar", make_tar(members))
     with ws_session(service) as ws:
         request(ws, "ws-frames.tar", fqn=fqn)
         frames = list(ws.recv_streaming(decode=False))  # the message's frames as they arrive
-    assert len(frames) > 8, "the reply was held and sent whole"
+    assert len(frames) >= 3, "the reply was held and sent whole"
     assert all(frames), "an empty frame (the last one carries data and FIN)"
     assert_transformed(members, b"".join(frames))
 
@@ -288,13 +289,14 @@ def test_under_plain_uvicorn_the_ws_reply_is_sent_whole_and_identical(service: S
 
 
 def test_ws_reply_nobody_reads_ends_at_the_object_timeout(impatient: Service, disk: AisDisk) -> None:
-    # 120 float32 images (72 MB) to a client that does not read: the socket buffers fill, the reply
-    # waits, and at the object timeout (2 s here) the shard's thread gives up and releases its window
-    # instead of waiting for a reader forever. The message then ends with the error, and the
-    # connection serves the next request once the client reads again.
+    # 400 float32 images (240 MB) to a client that does not read: its queue of 16 frames (up to 4 MiB
+    # each from a worker process) and the socket buffers fill, the reply waits, and at the object
+    # timeout (2 s here) the shard's thread gives up and releases its window instead of waiting for a
+    # reader forever. The message then ends with the error, and the connection serves the next
+    # request once the client reads again.
     jpeg = imagenet_like_members(1)[0][1]
     fqn = disk.put("train", "ws-unread.tar",
-                   make_tar([m for i in range(120) for m in ((f"u-{i:04d}.jpg", jpeg), (f"u-{i:04d}.cls", b"1"))]))
+                   make_tar([m for i in range(400) for m in ((f"u-{i:04d}.jpg", jpeg), (f"u-{i:04d}.cls", b"1"))]))
     with ws_session(impatient) as ws:
         request(ws, "ws-unread.tar", fqn=fqn)
         time.sleep(3.5)  # not reading, past the 2 s object timeout
@@ -306,6 +308,6 @@ def test_ws_reply_nobody_reads_ends_at_the_object_timeout(impatient: Service, di
     error = json.loads(frames[-1])
     assert "object timeout" in error["message"], error
     received = sum(len(frame) for frame in frames[:-1])
-    assert 0 < received < 120 * 602_240
+    assert 0 < received < 400 * 602_240
     with pytest.raises(ShardError):
         list(read_samples(io.BytesIO(b"".join(frames)), "reply.tar", 2**30))

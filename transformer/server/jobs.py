@@ -34,6 +34,7 @@ from .hops import (
 )
 from .metrics import Metrics
 from .output import Final, Output
+from .processes import RemoteShard, ShardProcesses
 from .sources import Counting, Source
 
 log = logging.getLogger("transformer.server")
@@ -44,7 +45,8 @@ class Runtime:
     """Process-wide state shared by all requests."""
 
     settings: Settings
-    pool: TransformPool
+    pool: TransformPool | None  # the transform threads, in this process (None: in worker processes)
+    processes: ShardProcesses | None  # the transform worker processes (settings.processes > 0)
     client: httpx.Client  # to AIS targets (AIS TLS settings); thread-safe; used from driver threads only
     origin_client: httpx.Client  # to /download origins (Settings.origin_tls)
     metrics: Metrics
@@ -119,12 +121,22 @@ class ShardJob:
         request, settings = self.request, self.runtime.settings
         self.report = ShardReport(request.shard, request.object_name, request.options.on_error)
         with self.source.open() as stream:
-            counted = Counting(stream, request.shard, settings.max_shard_bytes)
-            chunks = transform_shard(
-                counted, request.options, self.runtime.pool, shard=request.shard, object_name=request.object_name,
-                window=settings.window, report=self.report, cancel=self.output.cancel,
-                deadline=self.output.deadline, writer=self._write_now if relay else None,
-            )
+            counted: Counting | RemoteShard
+            if self.runtime.processes is not None:
+                chunks = counted = self.runtime.processes.transform(
+                    stream, request.options, shard=request.shard, object_name=request.object_name,
+                    window=settings.window, limit=settings.max_shard_bytes, report=self.report,
+                    cancel=self.output.cancel, deadline=self.output.deadline)
+                chunks = iter(counted)
+            else:
+                counted = Counting(stream, request.shard, settings.max_shard_bytes)
+                assert self.runtime.pool is not None
+                chunks = transform_shard(
+                    counted, request.options, self.runtime.pool, shard=request.shard,
+                    object_name=request.object_name, window=settings.window, report=self.report,
+                    cancel=self.output.cancel, deadline=self.output.deadline,
+                    writer=self._write_now if relay else None,
+                )
             try:
                 with contextlib.closing(chunks):
                     for chunk in chunks:
@@ -133,7 +145,7 @@ class ShardJob:
                         self.report.bytes_out += len(chunk)
                         yield chunk
             finally:
-                self.bytes_in += counted.count
+                self.bytes_in += counted.bytes_in if isinstance(counted, RemoteShard) else counted.count
 
     def _write_now(self, chunk: bytes | memoryview) -> Write:
         """A transform thread's chunk, written to the socket if it takes it without waiting."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
@@ -31,7 +33,14 @@ class Metrics:
                                  "(the reply), 'target' (a direct put to the destination target), 'stage' (the next "
                                  "ETL of a pipeline)", ["to"], registry=r)
         self.inflight = Gauge("etl_inflight_shards", "Shard requests being transformed", registry=r)
-        r.register(_DecodePaths())
+        self.worker_restarts = Counter("etl_worker_restarts", "Transform worker processes that died and were "
+                                       "replaced (each failed the shards it held)", registry=r)
+        self._decode_paths = _DecodePaths()
+        r.register(self._decode_paths)
+
+    def add_decode_paths(self, counts: Callable[[], dict[tuple[str, str], int]]) -> None:
+        """Count the images decoded elsewhere (the transform worker processes) in ``etl_decode_path`` too."""
+        self._decode_paths.sources.append(counts)
 
     def record(self, report: ShardReport, comm: str, outcome: str, bytes_in: int) -> None:
         self.shards.labels(comm, outcome).inc()
@@ -59,12 +68,19 @@ class _DecodePaths:
     ``dct_scaling``), ``full`` (the whole image, as without ETL_CROP_DECODE) with why: ``disabled``,
     ``transforms`` (no leading crop or resize), ``several_images``, ``not_jpeg``, ``colorspace``,
     ``mask_size``, ``pads``, ``no_gain``, ``progressive``, ``no_region_decoder``, ``decoder`` (the partial
-    decoder refused the file). Counted per process.
+    decoder refused the file). Counted per process, summed over the worker processes.
     """
+
+    def __init__(self) -> None:
+        self.sources: list[Callable[[], dict[tuple[str, str], int]]] = [decode_paths]
 
     def collect(self):
         family = CounterMetricFamily("etl_decode_path", "Images decoded, by path (window, scaled, full) and why "
                                      "full", labels=["path", "reason"])
-        for (path, reason), count in sorted(decode_paths().items()):
+        totals: dict[tuple[str, str], int] = {}
+        for source in self.sources:
+            for key, count in source().items():
+                totals[key] = totals.get(key, 0) + count
+        for (path, reason), count in sorted(totals.items()):
             family.add_metric([path, reason], count)
         yield family

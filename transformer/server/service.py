@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import threading
 import time
 from typing import Any
@@ -23,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.websockets import WebSocketDisconnect
 from uvicorn.protocols.utils import ClientDisconnected
 
-from ..config import Settings
+from ..config import Settings, shard_threads
 from ..engine import TransformPool
 from ..errors import Cancelled, RequestError, TransformerError
 from ..options import forwarded_etl_args, parse_etl_args
@@ -32,6 +33,7 @@ from .hops import HEADER_NODE_URL, parse_node_url
 from .jobs import Runtime, ShardJob, ShardRequest
 from .metrics import Metrics
 from .output import Final, Output, WsReply, quiet_foreseen_aborts, respond_http, send_ws_frame
+from .processes import ShardProcesses, WorkerConfig
 from .protocols import FragmentingWebSocketProtocol, fragmenter_of, transport_of
 from .sources import BodySource, BytesSource, HttpSource, Source, fqn_source, shard_too_large, watch_disconnect
 
@@ -48,20 +50,38 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
+        metrics = Metrics()
+        processes = pool = None
+        if settings.processes:
+            processes = ShardProcesses(settings.processes, WorkerConfig(
+                threads=shard_threads(settings.workers, settings.processes),
+                max_inflight=math.ceil(settings.max_inflight / settings.processes),
+                log_level=settings.log_level, ais_target_url=settings.ais_target_url),
+                on_restart=metrics.worker_restarts.inc)
+            metrics.add_decode_paths(processes.decode_paths)
+            # Ready only once the workers run: AIS sends shards as soon as /health answers.
+            await asyncio.to_thread(processes.wait_ready, settings.obj_timeout)
+        else:
+            pool = TransformPool(settings.workers, settings.max_inflight)
         runtime = Runtime(
             settings=settings,
-            pool=TransformPool(settings.workers, settings.max_inflight),
+            pool=pool,
+            processes=processes,
             client=_http_client(settings),
             origin_client=_origin_client(settings),
-            metrics=Metrics(),
+            metrics=metrics,
         )
         state["runtime"] = runtime
-        log.info("transformer ready: %d workers, window %d, preset %s, obj_timeout %.0fs",
-                 settings.workers, settings.window, settings.preset, settings.obj_timeout)
+        log.info("transformer ready: %d workers in %s, window %d, preset %s, obj_timeout %.0fs",
+                 settings.workers, f"{settings.processes} worker processes" if processes else "this process",
+                 settings.window, settings.preset, settings.obj_timeout)
         try:
             yield
         finally:
-            runtime.pool.shutdown()
+            if pool is not None:
+                pool.shutdown()
+            if processes is not None:
+                processes.shutdown()
             runtime.client.close()
             runtime.origin_client.close()
 

@@ -1,0 +1,94 @@
+"""The pod with transform worker processes (ETL_PROCESSES, the contract suite's setting): a worker killed
+mid-shard (SIGKILL, as the OOM killer does) cuts that shard's reply with an error naming it, never a
+shorter whole-looking shard; the shard beside it in the other worker completes; a new worker serves on."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+
+import httpx
+import psutil
+
+from tests.shardgen import imagenet_like_members, make_tar
+from transformer.integrity import ShardCheck
+from transformer.shards import read_samples
+
+from .conftest import AisDisk
+from .harness import Service, fqn_query
+
+
+def _workers(service: Service) -> list[psutil.Process]:
+    """The worker processes: the children of the fork server, itself a child of the service."""
+    children = psutil.Process(service.process.pid).children()
+    return [worker for child in children if "forkserver" in " ".join(child.cmdline()) for worker in child.children()]
+
+
+def test_a_killed_worker_cuts_its_shard_by_name_and_the_other_completes(service: Service, client: httpx.Client,
+                                                                         disk: AisDisk) -> None:
+    shards = {name: disk.put("train", name, make_tar(imagenet_like_members(150, extra=False)))
+              for name in ("kill-a.tar", "kill-b.tar")}
+    workers = _workers(service)
+    assert len(workers) == 2
+    outcomes: dict[str, bytes | Exception] = {}
+    started = {name: threading.Event() for name in shards}
+
+    def read(name: str) -> None:
+        body = bytearray()
+        try:
+            with client.stream("PUT", f"/train/{name}?{fqn_query(shards[name])}", content=b"") as response:
+                assert response.status_code == 200
+                for chunk in response.iter_raw():
+                    body += chunk
+                    started[name].set()
+            outcomes[name] = bytes(body)
+        except (httpx.HTTPError, AssertionError) as exc:
+            outcomes[name] = exc
+        finally:
+            started[name].set()
+
+    readers = [threading.Thread(target=read, args=(name,)) for name in shards]
+    for reader in readers:
+        reader.start()
+    for event in started.values():
+        assert event.wait(60)
+    victim = workers[0]
+    victim.kill()
+    for reader in readers:
+        reader.join(120)
+    cut = [name for name, outcome in outcomes.items() if isinstance(outcome, Exception)]
+    whole = [name for name, outcome in outcomes.items() if isinstance(outcome, bytes)]
+    assert len(cut) == 1 and len(whole) == 1, outcomes
+    assert isinstance(outcomes[cut[0]], httpx.RemoteProtocolError)  # the chunked body ends without its last chunk
+    assert _marker(whole[0], outcomes[whole[0]])["samples_out"] == 150
+    log = _wait_for(service, f"shard 'train/{cut[0]}': the transform worker process (pid {victim.pid}) was "
+                             "killed by SIGKILL")
+    assert "starting a new one" in log
+
+    deadline = time.monotonic() + 60
+    while (len(_workers(service)) < 2 or victim.pid in [w.pid for w in _workers(service)]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    again = client.put(f"/train/kill-a.tar?{fqn_query(shards['kill-a.tar'])}", content=b"")
+    assert again.status_code == 200
+    assert _marker("kill-a.tar", again.content)["samples_out"] == 150
+    metrics = client.get("/metrics").text
+    assert "etl_worker_restarts_total 1.0" in metrics
+
+
+def _marker(name: str, data: bytes) -> dict:
+    check = ShardCheck(name)
+    for sample in read_samples(io.BytesIO(data), name, 1 << 30):
+        check.sample(sample)
+    return check.finish()
+
+
+def _wait_for(service: Service, text: str) -> str:
+    deadline = time.monotonic() + 10
+    while True:
+        log = service.log_tail(20000)
+        if text in log or time.monotonic() > deadline:
+            assert text in log, log[-3000:]
+            return log
+        time.sleep(0.1)
