@@ -101,7 +101,7 @@ def test_a_cut_tar_is_a_shard_error_and_a_failing_input_raises_its_own(processes
 
 
 def test_a_shard_closed_midway_frees_its_worker(processes: ShardProcesses) -> None:
-    data = make_tar(imagenet_like_members(40))
+    data = make_tar(imagenet_like_members(20))
     remote = _remote(processes, io.BytesIO(data))
     chunks = iter(remote)
     next(chunks)
@@ -113,7 +113,7 @@ def test_a_shard_closed_midway_frees_its_worker(processes: ShardProcesses) -> No
 def test_a_killed_worker_fails_its_shard_by_name_and_a_new_one_serves(processes: ShardProcesses) -> None:
     before = processes.pids()
     restarts = processes.restarts
-    remote = _remote(processes, io.BytesIO(make_tar(imagenet_like_members(200))), shard="b/killed.tar")
+    remote = _remote(processes, io.BytesIO(make_tar(imagenet_like_members(100))), shard="b/killed.tar")
     chunks = iter(remote)
     next(chunks)
     os.kill(remote.pid, signal.SIGKILL)

@@ -1,7 +1,8 @@
 """One shard request in flight: a driver thread from its input source to its ``Output``.
 
 The driver reads the input, runs ``engine.transform_shard`` (which fans samples out to the shared
-``TransformPool``) and sends the result to the caller (through ``Output``), to a direct-put
+``TransformPool``), or has a transform worker process run it (``processes.ShardProcesses``, with
+``ETL_PROCESSES``), and sends the result to the caller (through ``Output``), to a direct-put
 destination, or to the next ETL stage. The event loop never parses, decodes or waits on CPU work,
 which keeps ``/health`` answering while every core is busy.
 """
