@@ -4,9 +4,9 @@
 (hpush with ``etl_fqn``, 4 shards in flight, curl as the client) in two designs:
 
 - ``threads``: every transform thread in the server process (``ETL_PROCESSES=0``, the default up to
-  2 CPUs);
+  4 CPUs);
 - ``processes``: the threads spread over worker processes (server/processes.py), the server process
-  relaying bytes (the default from 3 CPUs).
+  relaying bytes (the default from 5 CPUs).
 
 For each it reports, per process at full load, the share of wall time a thread holds that process's
 GIL (``py-spy record --gil``: samples holding the GIL over samples taken) and the CPU it used; the

@@ -113,9 +113,9 @@ def test_window_and_inflight_default_from_workers() -> None:
     assert (settings.window, settings.max_inflight) == (10, 80)
     settings = Settings.from_env({"ETL_WORKERS": "4", "ETL_PROCESSES": "0", "ETL_WINDOW": "3"})
     assert (settings.window, settings.max_inflight) == (3, 24)  # room for 8 shards' windows
-    # In worker processes a shard runs on its process's threads (2 here); each process has room for 8 windows.
-    settings = Settings.from_env({"ETL_WORKERS": "4"})
-    assert (settings.processes, settings.window, settings.max_inflight) == (2, 6, 96)
+    # In worker processes a shard runs on its process's threads (3 here); each process has room for 8 windows.
+    settings = Settings.from_env({"ETL_WORKERS": "8"})
+    assert (settings.processes, settings.window, settings.max_inflight) == (3, 8, 192)
 
 
 @pytest.mark.parametrize(

@@ -131,8 +131,8 @@ def test_a_killed_worker_fails_its_shard_by_name_and_a_new_one_serves(processes:
     assert output.endswith(b"\0" * 1024)
 
 
-def test_the_defaults_spread_threads_over_processes_from_3_workers() -> None:
-    assert [processes_for(n) for n in (1, 2, 3, 4, 6, 7, 16, 64)] == [0, 0, 1, 2, 2, 3, 6, 22]
+def test_the_defaults_spread_threads_over_processes_from_5_workers() -> None:
+    assert [processes_for(n) for n in (1, 2, 4, 5, 6, 7, 16, 64)] == [0, 0, 0, 2, 2, 3, 6, 22]
     two = _settings()
     assert (two.processes, two.window, two.max_inflight) == (0, 6, 48)
     sixteen = _settings(ETL_WORKERS="16")

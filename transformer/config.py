@@ -34,7 +34,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "ETL_MASK_EXTS": ("trimap.png,mask.png,seg.png", "Full member extensions treated as masks."),
     "ETL_WORKERS": ("", "Transform threads in all; empty = the CPUs this container may use (cgroup aware)."),
     "ETL_PROCESSES": ("", "Transform worker processes the threads are spread over (each shard runs in one); 0 = "
-                      "the server's own process. Empty = 0 up to 2 workers, else one per 3 workers "
+                      "the server's own process. Empty = 0 up to 4 workers, else one per 3 workers "
                       "(docs/performance.md, \"Cores\")."),
     "ETL_WINDOW": ("", "Samples in flight per shard; empty = 2 x the threads a shard runs on + 2 (workers, or "
                    "workers / processes)."),
@@ -94,13 +94,14 @@ def parse_duration(text: str, name: str) -> float:
 
 
 def processes_for(workers: int) -> int:
-    """ETL_PROCESSES' default: none (threads of the server process) up to 2 workers, else one per 3 workers.
+    """ETL_PROCESSES' default: none (threads of the server process) up to 4 workers, else one per 3 workers.
 
-    A transform thread holds its process's GIL about a quarter of its time, so three threads keep a
-    worker's GIL under about three quarters busy. Two cores gain nothing from a worker process and
-    would pay for relaying every byte through the server (docs/performance.md, "Cores").
+    The server process's GIL caps its threads at about 5 cores' worth of work, and relaying a shard
+    through a worker process costs about a tenth more CPU per image: up to 4 cores the threads deliver
+    more. A transform thread holds its GIL about a quarter of its time, so three threads keep a
+    worker's GIL under about three quarters busy (docs/performance.md, "Cores").
     """
-    return 0 if workers <= 2 else math.ceil(workers / 3)
+    return 0 if workers <= 4 else math.ceil(workers / 3)
 
 
 def shard_threads(workers: int, processes: int) -> int:

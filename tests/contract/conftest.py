@@ -83,7 +83,7 @@ def transformer_env(target: FakeTarget, disk: AisDisk, **overrides: str) -> dict
         "ETL_FQN_ROOTS": str(disk.root),
         "ETL_OBJ_TIMEOUT": "30s",
         "ETL_WORKERS": "2",
-        # Each shard in one of two worker processes (the default on 3 CPUs or more): every contract test
+        # Each shard in one of two worker processes (the default on 5 CPUs or more): every contract test
         # drives that design; the real-ETL suite (tests/ais) drives the pod's threads-only default on 2 CPUs.
         "ETL_PROCESSES": "2",
         "ETL_PRESET": "imagenet-val",
