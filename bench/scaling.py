@@ -68,7 +68,7 @@ class LoadRun:
     wall: float
     pod_cpu_seconds: float
     per_process: list[ProcessLoad] = field(default_factory=list)
-    pss_bytes: int = 0
+    memory: dict = field(default_factory=dict)
 
     @property
     def images_per_second(self) -> float:
@@ -126,12 +126,16 @@ def pod_processes(server: Server) -> list[tuple[str, psutil.Process]]:
     return found
 
 
-def pss(processes: list[tuple[str, psutil.Process]]) -> int:
-    total = 0
-    for _, process in processes:
+def memory(processes: list[tuple[str, psutil.Process]]) -> dict:
+    """PSS of the pod (its share of pages it shares, with other processes too) and each role's USS (its own
+    pages: what one more of it costs). PSS alone would move with unrelated processes mapping torch's files."""
+    found: dict = {"pss": 0, "uss": {}}
+    for role, process in processes:
         with contextlib.suppress(psutil.Error):
-            total += process.memory_full_info().pss
-    return total
+            info = process.memory_full_info()
+            found["pss"] += info.pss
+            found["uss"].setdefault(role, []).append(info.uss)
+    return found
 
 
 def gil_share(pid: int, seconds: float, rate: int = 100) -> float | None:
@@ -211,7 +215,7 @@ def measure(server: Server, design: str, workers: int, processes: int, preset: s
     for role, process in found:
         run.per_process.append(ProcessLoad(role, process.pid, _cpu(process) - cpu_before[process.pid],
                                            shares.get(process.pid)))
-    run.pss_bytes = pss(found)
+    run.memory = memory(found)
     log.info("%-9s w=%d p=%d %-14s %-8s %6.0f images/s  %.2f cores  %.2f CPU ms/image  server GIL %s  ceiling %s",
              design, workers, processes, preset, kind, run.images_per_second, run.cores_used, run.cpu_ms_per_image,
              _pct(run.server_gil_share), _num(run.ceiling))
@@ -291,36 +295,35 @@ def run(args: argparse.Namespace) -> dict:
         finally:
             server.stop()
     sweep: list[LoadRun] = [r for r in loads if r.preset == "imagenet-train" and r.images_kind == "imagenet"]
-    memory: list[dict] = []
+    memories: list[dict] = []
     if not args.smoke:
         for design, workers, processes in [("threads", 1, 0), ("processes", 1, 1), ("processes", 4, 4)]:
             server = service(work, workers, processes, f"{design}-{workers}")
             try:
-                idle = pss(pod_processes(server))
+                idle = memory(pod_processes(server))
                 load = measure(server, design, workers, processes, "imagenet-train", "imagenet", imagenet,
                                seconds / 2, spy=False)
                 if workers < 4:
                     sweep.append(load)
-                memory.append({"design": design, "processes": processes, "idle_pss": idle,
-                               "load_pss": load.pss_bytes})
+                memories.append({"design": design, "processes": processes, "idle": idle, "load": load.memory})
             finally:
                 server.stop()
         for run_ in loads:
             if run_.preset == "imagenet-train" and run_.images_kind == "imagenet":
-                memory.append({"design": run_.design, "processes": run_.processes, "idle_pss": None,
-                               "load_pss": run_.pss_bytes})
+                memories.append({"design": run_.design, "processes": run_.processes, "idle": None,
+                                 "load": run_.memory})
     peer: list[dict] = []
     if args.peer:
         for workers in (1, 2):
             server = start_peer(work / "logs", workers, name=f"peer-{workers}").ready()
             try:
-                images, wall, _, cpu = drive(server, imagenet, "", seconds / 2, spy=False)
+                images, wall, _, cpu = drive(server, imagenet, "", seconds, spy=False)
                 peer.append({"workers": workers, "images_per_second": images / wall,
                              "cpu_ms_per_image": 1000 * cpu / images if images else 0.0})
                 log.info("peer      w=%d %6.0f images/s", workers, images / wall)
             finally:
                 server.stop()
-    return report(args, loads, sweep, memory, peer)
+    return report(args, loads, sweep, memories, peer)
 
 
 def report(args: argparse.Namespace, loads: list[LoadRun], sweep: list[LoadRun], memory: list[dict],
@@ -333,8 +336,8 @@ def report(args: argparse.Namespace, loads: list[LoadRun], sweep: list[LoadRun],
         train = runs[0]
         rate = 1000 / train.cpu_ms_per_image  # images/s per core of pod CPU
         projections[design] = {str(c): project(rate, train.ceiling, c) for c in CORES}
-    if peer:
-        rate = max(p["images_per_second"] / p["workers"] for p in peer)
+    if peer:  # one process per core, no shared GIL: its per-core rate (by CPU per image) on every core
+        rate = max(1000 / p["cpu_ms_per_image"] for p in peer if p["cpu_ms_per_image"])
         projections["peer"] = {str(c): rate * c for c in CORES}
     result = {
         "command": "python -m bench.scaling " + " ".join(sys.argv[1:]),
@@ -381,11 +384,22 @@ def markdown(result: dict) -> str:
                      f"{load['cpu_ms_per_image']:.2f} | {text} | {_frac(fraction)}{verdict} | "
                      f"{_num(load['ceiling'])} |")
     if result["memory"]:
-        lines += ["", "## Memory (PSS of the pod's processes; forked workers share torch's pages)\n",
-                  "| design | worker processes | idle | at full load |", "|---|---|---|---|"]
-        for row in sorted(result["memory"], key=lambda r: (r["design"], r["processes"])):
-            idle = "" if row["idle_pss"] is None else f"{row['idle_pss'] / 2**20:,.0f} MiB"
-            lines.append(f"| {row['design']} | {row['processes']} | {idle} | {row['load_pss'] / 2**20:,.0f} MiB |")
+        lines += ["", "## Memory (MiB; USS: a process's own pages, what one more costs; PSS: the pod's share of all it "
+                  "maps, which moves with other processes mapping torch)\n",
+                  "| design | worker processes | when | pod PSS | server USS | fork server USS | USS per worker |",
+                  "|---|---|---|---|---|---|---|"]
+        for row in sorted(result["memory"], key=lambda r: (r["design"], r["processes"], r["idle"] is None)):
+            for when in ("idle", "load"):
+                found = row[when]
+                if not found:
+                    continue
+                uss = found["uss"]
+                per_worker = uss.get("worker", [])
+                lines.append(
+                    f"| {row['design']} | {row['processes']} | {'idle' if when == 'idle' else 'full load'} | "
+                    f"{found['pss'] / 2**20:,.0f} | {sum(uss.get('server', [0])) / 2**20:,.0f} | "
+                    f"{sum(uss.get('forkserver', [0])) / 2**20:,.0f} | "
+                    + (f"{sum(per_worker) / len(per_worker) / 2**20:,.0f} |" if per_worker else "|"))
     if result["sweep"] or result["peer"]:
         lines += ["", "## Measured images/s by workers (imagenet-train, float32)\n",
                   "| design | workers | images/s | pod CPU ms/image |", "|---|---|---|---|"]
