@@ -159,6 +159,22 @@ def test_read_only_root_with_a_writable_tmp_serves_every_caller(run_pod) -> None
     assert len(_whole(reply.content)) == 8 * 3
 
 
+def test_worker_processes_serve_the_same_bytes_from_a_read_only_root(run_pod) -> None:
+    """ETL_PROCESSES (the default from 5 CPUs) in the image as the manifests run it: the fork server and its
+    workers, as uid 10001 with only /tmp writable, give the bytes the threads give."""
+    read_only = ("--read-only", "--read-only-tmpfs=false", "--tmpfs", "/tmp:rw,size=256m,mode=1777")
+    threads = run_pod(*read_only, env={"ETL_WORKERS": "2", "ETL_PROCESSES": "0"})
+    processes = run_pod(*read_only, env={"ETL_WORKERS": "2", "ETL_PROCESSES": "2"}, port=8001)
+    threads.wait_healthy()
+    processes.wait_healthy()
+    shard = make_tar(imagenet_like_members(6))
+    query = urlencode({"etl_args": json.dumps({"seed": 9})})
+    replies = [httpx.put(f"{pod.url}/bck/{SHARD}?{query}", content=shard, timeout=120) for pod in (threads, processes)]
+    assert [reply.status_code for reply in replies] == [200, 200], [reply.text for reply in replies]
+    assert replies[1].content == replies[0].content and len(_whole(replies[1].content)) == 6 * 3
+    assert "2 worker processes" in processes.log()
+
+
 def test_read_only_root_without_tmp_stops_at_import(run_pod) -> None:
     """Why /tmp must be writable: torch makes a temporary directory when torchvision imports it."""
     pod = run_pod("--read-only", "--read-only-tmpfs=false")

@@ -89,6 +89,7 @@ class ShardProcesses:
         self._closed = False
         self._wake_r, self._wake_w = os.pipe()
         self.restarts = 0
+        self._start_error: Exception | None = None  # the last failure to start a worker
         self._decode_paths: dict[int, dict[tuple[str, str], int]] = {}  # per worker pid, its last snapshot
         self._supervisor = threading.Thread(target=self._supervise, name="transform worker supervisor", daemon=True)
         self._supervisor.start()
@@ -104,8 +105,11 @@ class ShardProcesses:
             for index in missing:
                 try:
                     worker = _Worker.start(self._context, index, self.config)
-                except Exception:  # the fork server itself failed: try again shortly, keep serving what runs
+                except Exception as exc:  # the fork server itself failed: try again shortly, keep serving what runs
                     log.exception("could not start transform worker %d", index)
+                    with self._cond:
+                        self._start_error = exc
+                        self._cond.notify_all()
                     time.sleep(1.0)
                     continue
                 with self._cond:
@@ -139,10 +143,13 @@ class ShardProcesses:
                 self.on_restart()
 
     def wait_ready(self, timeout: float) -> None:
-        """Until every worker process runs; ``RuntimeError`` after ``timeout`` seconds."""
+        """Until every worker process runs; ``RuntimeError`` after ``timeout`` seconds, or at once when none
+        could start (the pod then exits at start-up, for Kubernetes to report)."""
         end = time.monotonic() + timeout
         with self._cond:
             while any(w is None for w in self._workers):
+                if self._start_error is not None and all(w is None for w in self._workers):
+                    raise RuntimeError(f"no transform worker process could start: {self._start_error!r}")
                 if time.monotonic() > end:
                     started = sum(w is not None for w in self._workers)
                     raise RuntimeError(f"{started} of {len(self._workers)} transform worker processes started in "
