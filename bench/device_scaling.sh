@@ -51,8 +51,10 @@ SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pur
 # is), its own site-packages hold torch, so they are added after the venv's by a .pth file.
 "$PY" -c 'import sys; print("\n".join(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))))' \
     > "$SITE/device-python.pth"
-# pip comes from python3's packages through that .pth; --ignore-installed puts every carried wheel into the venv.
-timeout 180 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --no-compile \
+# pip runs from its carried wheel (none need be on the machine); --ignore-installed puts every carried wheel into
+# the venv, also where python3 has the same version.
+PIP=$(ls "$WHEELS"/pip-*.whl | head -1)/pip
+timeout 180 "$VENV/bin/python" "$PIP" install --quiet --disable-pip-version-check --no-index --no-deps --no-compile \
     --no-cache-dir --ignore-installed "$WHEELS"/*.whl || fail "the offline install of $WHEELS failed"
 export PATH="$VENV/bin:$PATH" PYTHONUNBUFFERED=1
 echo "   $(ls "$WHEELS"/*.whl | wc -l) wheels, $(du -sh "$WHEELS" | cut -f1), installed in $((SECONDS - START)) s"
