@@ -4,7 +4,7 @@
 #   bash bench/device_scaling.sh [more bench.scaling arguments for the sweep, e.g. --no-peer]
 #
 # SCALING_SWEEP, SCALING_SECONDS, SCALING_SHARDS and SCALING_SAMPLES size it (defaults: 1,2,4,8,16 workers, 15 s of
-# full load per case, 4 shards of 150 demo samples: about 7.5 minutes on 16 cores).
+# full load per case, 4 shards of 150 demo samples: about 7.5 minutes on 16 cores, an estimate).
 # From the repository's root, with .scaling-wheels/ beside it (`make scaling-wheels`, requirements/scaling-check.txt).
 # 1. a venv that sees the launching python3's packages (its torch and torchvision: the venv's own site-packages
 #    come first, so the carried wheels win over any other version there), the wheels installed into it offline;
