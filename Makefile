@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 EXTRAS ?= server,client,demo,bench,dali,test
 TEST_WORKERS ?= 2  # make test: pytest-xdist workers; --dist loadfile keeps each test file on one worker
 
-.PHONY: install demo test bench aisnode k8s-tools ais-etl image test-image test-k8s image-tools k8s-host-tools gpu-wheels \
+.PHONY: install demo test bench aisnode k8s-tools ais-etl image test-image test-k8s image-tools k8s-host-tools gpu-wheels scaling-wheels \
 	lint clean
 
 install: $(VENV)/.installed
@@ -71,6 +71,14 @@ gpu-wheels:
 	rm -rf .gpu-wheels
 	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux2014_x86_64 -d .gpu-wheels -r requirements/gpu-check.txt
+
+# The pod's, the bench's and the SDK peer's packages for bench/device_scaling.sh on a machine without them or a
+# network (requirements/scaling-check.txt): CPython 3.12 manylinux wheels into .scaling-wheels/.
+scaling-wheels:
+	rm -rf .scaling-wheels
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		--platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d .scaling-wheels -r requirements/scaling-check.txt
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -156,9 +156,9 @@ def gil_share(pid: int, seconds: float, rate: int = 100) -> float | None:
     return min(1.0, held / (rate * max(1.0, min(elapsed, seconds))))
 
 
-def drive(server: Server, shards: list[data.Shard], etl_args: str, seconds: float, spy: bool) -> tuple[int, float,
-                                                                                                         dict, float]:
-    """Keep CONCURRENCY shards in flight for ``seconds``; (images, wall, per-pid GIL share, pod CPU seconds)."""
+def drive(server: Server, shards: list[data.Shard], etl_args: str, seconds: float, spy: bool,
+          concurrency: int = CONCURRENCY) -> tuple[int, float, dict, float]:
+    """Keep ``concurrency`` shards in flight for ``seconds``; (images, wall, per-pid GIL share, pod CPU seconds)."""
     stop = threading.Event()
     images = [0]
     errors: list[str] = []
@@ -180,7 +180,7 @@ def drive(server: Server, shards: list[data.Shard], etl_args: str, seconds: floa
     processes = pod_processes(server)
     cpu_before = server.cpu_seconds()
     start = time.monotonic()
-    threads = [threading.Thread(target=loop) for _ in range(CONCURRENCY)]
+    threads = [threading.Thread(target=loop) for _ in range(concurrency)]
     for thread in threads:
         thread.start()
     shares: dict[int, float | None] = {}
@@ -206,11 +206,11 @@ def drive(server: Server, shards: list[data.Shard], etl_args: str, seconds: floa
 
 
 def measure(server: Server, design: str, workers: int, processes: int, preset: str, kind: str,
-            shards: list[data.Shard], seconds: float, spy: bool = True) -> LoadRun:
+            shards: list[data.Shard], seconds: float, spy: bool = True, concurrency: int = CONCURRENCY) -> LoadRun:
     hpush(server.url, shards[0].object_path, shards[0].path, "fqn", PRESETS[preset], timeout=600)  # warm
     found = pod_processes(server)
     cpu_before = {p.pid: _cpu(p) for _, p in found}
-    images, wall, shares, pod_cpu = drive(server, shards, PRESETS[preset], seconds, spy)
+    images, wall, shares, pod_cpu = drive(server, shards, PRESETS[preset], seconds, spy, concurrency)
     run = LoadRun(design, workers, processes, preset, kind, images, wall, pod_cpu)
     for role, process in found:
         run.per_process.append(ProcessLoad(role, process.pid, _cpu(process) - cpu_before[process.pid],
@@ -252,20 +252,25 @@ def sweep_cores(args: argparse.Namespace, work: Path, imagenet: list[data.Shard]
     """images/s at each worker count of ``--sweep``: both designs and the peer (a machine with that many cores)."""
     rows = []
     for workers in args.sweep:
+        # Enough shards in flight to keep every worker busy: 4 would leave the processes design's 6 workers of
+        # 3 threads at 16 (one shard each) and the peer's 16 uvicorn workers (one request each) partly idle.
+        concurrency = max(CONCURRENCY, 2 * workers)
         for design, processes in (("threads", 0), ("processes", None)):
             server = service(work, workers, processes, f"sweep-{design}-{workers}")
             try:
                 run_ = measure(server, design, workers, processes if processes is not None else -1,
-                               "imagenet-train", "imagenet", imagenet, args.seconds, spy=workers == max(args.sweep))
-                rows.append(run_.summary())
+                               "imagenet-train", "imagenet", imagenet, args.seconds, spy=workers == max(args.sweep),
+                               concurrency=concurrency)
+                rows.append({**run_.summary(), "concurrency": concurrency})
             finally:
                 server.stop()
         if args.peer:
             server = start_peer(work / "logs", workers, name=f"sweep-peer-{workers}").ready()
             try:
-                images, wall, _, cpu = drive(server, imagenet, "", args.seconds, spy=False)
+                images, wall, _, cpu = drive(server, imagenet, "", args.seconds, spy=False, concurrency=concurrency)
                 rows.append({"design": "peer", "workers": workers, "images_per_second": images / wall,
-                             "cpu_ms_per_image": 1000 * cpu / images if images else 0.0})
+                             "cpu_ms_per_image": 1000 * cpu / images if images else 0.0,
+                             "concurrency": concurrency})
             finally:
                 server.stop()
     return rows
