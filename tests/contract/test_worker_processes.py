@@ -1,6 +1,7 @@
-"""The pod with transform worker processes (ETL_PROCESSES, the contract suite's setting): a worker killed
-mid-shard (SIGKILL, as the OOM killer does) cuts that shard's reply with an error naming it, never a
-shorter whole-looking shard; the shard beside it in the other worker completes; a new worker serves on."""
+"""The pod with transform worker processes (ETL_PROCESSES, the contract suite's setting): the same seeded
+bytes as the threads, by every comm type; a worker killed mid-shard (SIGKILL, as the OOM killer does) cuts
+that shard's reply with an error naming it, never a shorter whole-looking shard; the shard beside it in
+the other worker completes; a new worker serves on."""
 
 from __future__ import annotations
 
@@ -12,11 +13,40 @@ import httpx
 import psutil
 
 from tests.shardgen import imagenet_like_members, make_tar
+from transformer.config import Settings
+from transformer.engine import TransformPool, transform_shard
 from transformer.integrity import ShardCheck
+from transformer.options import parse_etl_args
 from transformer.shards import read_samples
 
 from .conftest import AisDisk
-from .harness import Service, fqn_query
+from .harness import Service, escaped_uname, fqn_query
+from .test_ws import REPLY_TIMEOUT, request, ws_session
+
+SEEDED = '{"preset": "imagenet-train", "seed": 21, "epoch": 1}'
+
+
+def test_every_comm_type_gives_the_threads_bytes(service: Service, client: httpx.Client, disk: AisDisk) -> None:
+    shard = make_tar(imagenet_like_members(6))
+    fqn = disk.put("train", "same-bytes.tar", shard)
+    pool = TransformPool(3, 16)  # in this process, on threads: the design the pod uses up to 4 workers
+    try:
+        expected = b"".join(transform_shard(io.BytesIO(shard), parse_etl_args(SEEDED, Settings.from_env({})), pool,
+                                            shard="train/same-bytes.tar", object_name="same-bytes.tar", window=8))
+    finally:
+        pool.shutdown()
+    args = {"etl_args": SEEDED}
+    replies = {
+        "hpush body": client.put("/train/same-bytes.tar", params=args, content=shard),
+        "hpush fqn": client.put(f"/train/same-bytes.tar?{fqn_query(fqn, SEEDED)}", content=b""),
+        "hpull fqn": client.get(f"/{escaped_uname('train', 'same-bytes.tar')}?{fqn_query(fqn, SEEDED)}"),
+    }
+    outputs = {name: reply.content for name, reply in replies.items() if reply.status_code == 200}
+    assert set(outputs) == set(replies), {name: reply.text[:300] for name, reply in replies.items()}
+    with ws_session(service) as ws:
+        request(ws, "same-bytes.tar", fqn=fqn, etl_args=SEEDED)
+        outputs["ws fqn"] = ws.recv(timeout=REPLY_TIMEOUT)
+    assert {name: output == expected for name, output in outputs.items()} == dict.fromkeys(outputs, True)
 
 
 def _workers(service: Service) -> list[psutil.Process]:
