@@ -23,12 +23,17 @@ if TYPE_CHECKING:
     from transformer.shards import Sample
 
 
+# Test packages whose package-scoped fixtures check every test of the package at its end: one xdist work unit each.
+WHOLE_PACKAGES = ("tests/ais/", "tests/reliability/")
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``make test`` runs ``-n 2 --dist loadfile``: each test file on one worker, so its module fixtures run
     once. Here all of ``tests/ais/`` counts as one file: its session cluster and its ETL package's cluster then
     start once, and the package's end-of-run checks (the secret check's "some pod used the secret at DEBUG")
-    see every test of the package. ``--dist loadgroup`` would say this with marks, but xdist 3.8 groups by
+    see every test of the package. ``tests/reliability/`` is one too, for its own end-of-package secret check.
+    ``--dist loadgroup`` would say this with marks, but xdist 3.8 groups by
     rewriting node ids, which pytest 9.2 no longer allows (pytest-xdist#1386): the marks are silently ignored."""
     if config.getvalue("dist") != "loadfile":
         return None
@@ -39,7 +44,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     class OneFileForTheRealAis(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = super()._split_scope(nodeid)
-            return "tests/ais/" if path.startswith("tests/ais/") else path
+            for package in WHOLE_PACKAGES:
+                if path.startswith(package):
+                    return package
+            return path
 
         def _assign_work_unit(self, node: Any) -> None:
             scope = next(iter(self.workqueue))

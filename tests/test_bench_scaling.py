@@ -37,5 +37,6 @@ def test_a_smoke_run_shows_the_server_process_freed_of_the_transforms(tmp_path: 
     assert roles.count("worker") == 2 and roles.count("forkserver") == 1
     threads, processes = loads["threads"]["server_gil_fraction"], loads["processes"]["server_gil_fraction"]
     assert threads is not None and processes is not None, "py-spy could not attach (it needs ptrace: root)"
-    assert processes < threads / 3
+    # Shards of 40 images: the server's per-shard work weighs more than in the full run (1/49 to 1/60 there).
+    assert processes < threads / 2
     assert "## At full load" in (tmp_path / "out" / "scaling.md").read_text()

@@ -34,7 +34,7 @@ def test_services_of_one_name_keep_their_own_logs_and_are_all_listed(tmp_path: P
 
 def test_make_tests_scheduler_keeps_the_real_ais_tests_on_one_worker() -> None:
     """``make test`` (``-n 2 --dist loadfile``): one scope per file, and all of ``tests/ais/`` one scope, whose
-    session and package fixtures must start once (tests/conftest.py)."""
+    session and package fixtures must start once (tests/conftest.py); all of ``tests/reliability/`` too."""
     from types import SimpleNamespace
 
     from tests.conftest import pytest_xdist_make_scheduler
@@ -43,6 +43,8 @@ def test_make_tests_scheduler_keeps_the_real_ais_tests_on_one_worker() -> None:
                              getoption=lambda *_, **__: None)
     scope = pytest_xdist_make_scheduler(config, None)._split_scope
     assert scope("tests/ais/etl/test_failures.py::test_a[ws]") == scope("tests/ais/test_client.py::b") == "tests/ais/"
+    assert scope("tests/reliability/test_security.py::e") == scope("tests/reliability/test_faults.py::f") \
+        == "tests/reliability/"  # its end-of-package secret check needs every test of the package
     assert scope("tests/contract/test_ws.py::TestX::test_c") == "tests/contract/test_ws.py"
     assert scope("tests/test_bench_soak_ais.py::test_d") == "tests/test_bench_soak_ais.py"
     assert pytest_xdist_make_scheduler(SimpleNamespace(getvalue={"dist": "load"}.get), None) is None
