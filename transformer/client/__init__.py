@@ -33,6 +33,7 @@ from .errors import (
     ShardFetchError,
     ShuffleError,
 )
+from .incremental import Changes, find_changes
 from .loader import EtlLoader, make_loader
 from .offline import (
     OfflineJob,
@@ -61,6 +62,7 @@ from .urls import EpochUrls, encode_etl_args, etl_args, path_escape, pod_urls, s
 from .webloader import EtlWebDataset, etl_dataset, web_loader
 
 __all__ = [
+    "Changes",
     "ClientError",
     "ConvertError",
     "ConvertReport",
@@ -94,6 +96,7 @@ __all__ = [
     "etl_args",
     "etl_dataset",
     "etl_logs",
+    "find_changes",
     "make_loader",
     "measure_seconds_per_image",
     "obj_timeout_for",
