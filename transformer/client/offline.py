@@ -252,6 +252,8 @@ def _incremental(client: Client, etl_name: str, source: str, destination: str, *
     _checked_options(client, etl_name, options)
     changes = find_changes(client, etl_name, source, destination, prefix=prefix, ext=ext)
     if changes.stale:
+        with ais_errors(etl_name, "offline transform"):  # a multi-object job needs its destination to exist
+            client.bucket(destination).create(exist_ok=True)
         job = transform_bucket(client, etl_name, source, destination, options=options, ext=ext,
                                continue_on_error=continue_on_error, num_workers=num_workers,
                                names=changes.stale, timeout=timeout, wait=wait)
