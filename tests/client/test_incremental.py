@@ -4,6 +4,8 @@ from one listing per bucket and a tail read per copy, only the stale ones transf
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -11,9 +13,10 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tests.shardgen import make_tar, read_output, sealed
-from transformer.client import EtlSettings, register, transform_bucket
-from transformer.client.incremental import PROBE_PREFIX, find_changes
+from transformer.client import ClientError, EtlSettings, register, transform_bucket
+from transformer.client.incremental import PROBE_LIFETIME, PROBE_PREFIX, find_changes, sweep_probes
 from transformer.integrity import marker_from_tail
+from transformer.shards import END_OF_ARCHIVE
 
 from .conftest import labelled_shard
 from .fake_proxy import FakeProxy
@@ -192,3 +195,69 @@ def test_the_sync_command(ais, proxy: FakeProxy, capsys: pytest.CaptureFixture) 
     assert "0 new, 0 changed, 0 restyled, 0 cut, 5 up to date, 1 orphan" in out
     assert "nothing to transform" in out and f"deleted 1 orphan: {SHARDS[0]}" in out
     assert json.loads(json.dumps(proxy.objects("dst"))) == SHARDS[1:]
+
+
+def probes(proxy: FakeProxy) -> list[str]:
+    return [name for name in proxy.objects("dst") if name.startswith(PROBE_PREFIX)]
+
+
+def test_a_probe_is_deleted_whatever_happens_and_never_counts_as_an_orphan(ais, proxy: FakeProxy,
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    transform_bucket(ais, "wds-etl-sync", "src", "dst", options=OPTIONS, prefix="val/", incremental=True)
+    now = int(time.time())
+    left = f"{PROBE_PREFIX}{now - PROBE_LIFETIME - 60}-{'0' * 32}.tar"  # a killed check's
+    running = f"{PROBE_PREFIX}{now}-{'1' * 32}.tar"  # a check still running beside this one
+    for name in (left, running):
+        proxy.put_object("dst", name, END_OF_ARCHIVE)
+    changes = find_changes(ais, "wds-etl-sync", "src", "dst")  # no prefix: the probes are listed with the rest
+    assert changes.orphans == () and changes.counts["up_to_date"] == 6
+    assert probes(proxy) == [running]  # the leftover deleted, the running check's kept
+    puts = [call.path for call in proxy.calls("PUT", f"/_target/v1/objects/dst/{PROBE_PREFIX}")]
+    assert len(puts) == 1 and left not in puts[0] and running not in puts[0]
+
+    # the read through the ETL fails: the error is raised, and the probe deleted all the same
+    proxy.etls["wds-etl-sync"].stage = "Aborted"
+    with pytest.raises(ClientError, match="wds-etl-sync"):
+        find_changes(ais, "wds-etl-sync", "src", "dst")
+    assert probes(proxy) == [running]
+    proxy.etls["wds-etl-sync"].stage = "Running"
+
+    # the delete fails: the check goes on, says so, and the first check after PROBE_LIFETIME deletes the probe
+    from aistore.sdk.obj.object import Object
+
+    delete = Object.delete
+
+    def failing(self: Object, *args, **kwargs):
+        if self.name.startswith(PROBE_PREFIX):
+            raise ConnectionError("connection reset by peer")
+        return delete(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Object, "delete", failing)
+        assert find_changes(ais, "wds-etl-sync", "src", "dst", prefix="val/").counts["up_to_date"] == 6
+    assert "could not be deleted (connection reset by peer)" in caplog.text
+    stuck = [name for name in probes(proxy) if name != running]
+    assert len(stuck) == 1
+    assert sweep_probes(ais, "dst") == ()  # young: it could be a running check's
+    later = time.time() + PROBE_LIFETIME + 1
+    assert sorted(sweep_probes(ais, "dst", now=later)) == sorted([running, *stuck]) and probes(proxy) == []
+
+
+def test_concurrent_checks_of_one_bucket_use_probes_of_their_own(ais, proxy: FakeProxy) -> None:
+    transform_bucket(ais, "wds-etl-sync", "src", "dst", options=OPTIONS, prefix="val/", incremental=True)
+    results, start = [], threading.Barrier(4)
+
+    def check() -> None:
+        start.wait()
+        results.append(find_changes(ais, "wds-etl-sync", "src", "dst", prefix="val/"))
+
+    threads = [threading.Thread(target=check) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert [changes.counts["up_to_date"] for changes in results] == [6] * 4
+    assert all(changes.orphans == () for changes in results)
+    puts = [call.path for call in proxy.calls("PUT", f"/_target/v1/objects/dst/{PROBE_PREFIX}")]
+    assert len(puts) == 4 and len(set(puts)) == 4 and probes(proxy) == []

@@ -14,13 +14,17 @@ of each bucket and one range GET of each destination's last 2 KiB classify every
 * **up to date**: none of these;
 
 and each destination object that no source maps to is an **orphan**. What the ETL writes now is asked
-of the pod itself: a 1 KiB empty tar is put into the destination, read once through the ETL (the
-same defaults an offline job gets: no ``etl_args``), and deleted; its marker carries the pod's
-settings digest and version. Exact, whatever image or environment the ETL runs with.
+of the pod itself: a 1 KiB empty tar, the probe, is put into the destination, read once through the
+ETL (the same defaults an offline job gets: no ``etl_args``), and deleted, whether the read worked or
+not; its marker carries the pod's settings digest and version. Exact, whatever image or environment
+the ETL runs with. A probe's name is unique (its time and a random part), so concurrent checks of one
+bucket never share one; probes are never orphans, and one older than ``PROBE_LIFETIME`` (left by a
+check that was killed, or whose delete failed) is deleted by the next check of that bucket.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -42,7 +46,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("transformer.client")
 
-PROBE_PREFIX = "__etl__/probe-"  # the empty tar put into the destination, read through the ETL, deleted
+PROBE_PREFIX = "__etl__/probe-"  # + "<unix seconds>-<random hex>.tar": put into the destination, read, deleted
+PROBE_LIFETIME = 3600  # seconds; a probe older than this is a leftover: no live check holds one that long
 CLASSES = ("new", "changed", "restyled", "cut", "up_to_date", "orphan")
 
 
@@ -143,13 +148,18 @@ def probe(client: Client, etl_name: str, bucket: str) -> tuple[str, str]:
     put into ais://``bucket`` (then deleted)."""
     from aistore.sdk.etl import ETLConfig
 
-    name = f"{PROBE_PREFIX}{uuid.uuid4().hex}.tar"
+    sweep_probes(client, bucket)
+    name = f"{PROBE_PREFIX}{int(time.time())}-{uuid.uuid4().hex}.tar"
     obj = client.bucket(bucket).object(name)
     obj.get_writer().put_content(END_OF_ARCHIVE)
     try:
         data = obj.get_reader(etl=ETLConfig(etl_name)).read_all()
     finally:
-        obj.delete()
+        try:
+            obj.delete()
+        except Exception as exc:  # noqa: BLE001 (never hides the read's own error; the next check deletes it)
+            log.warning("incremental check: the probe ais://%s/%s could not be deleted (%s); the first check of "
+                        "this bucket after %d s deletes it", bucket, name, exc, PROBE_LIFETIME)
     what = f"ETL {etl_name}'s output for an empty tar"
     try:
         marker = marker_from_tail(lambda offset, length: data[offset:offset + length], len(data), what)
@@ -162,6 +172,24 @@ def probe(client: Client, etl_name: str, bucket: str) -> tuple[str, str]:
     return marker["settings"], marker["version"]
 
 
+def sweep_probes(client: Client, bucket: str, now: float | None = None) -> tuple[str, ...]:
+    """Delete the probes in ais://``bucket`` older than ``PROBE_LIFETIME`` (their names tell their age); those
+    of checks still running are younger and stay. Returns the names deleted."""
+    from aistore.sdk.errors import ErrObjNotFound
+
+    now = time.time() if now is None else now
+    stale = []
+    for entry in client.bucket(bucket).list_objects_iter(prefix=PROBE_PREFIX, props="name"):
+        stamp = entry.name[len(PROBE_PREFIX):].split("-", 1)[0]
+        if stamp.isdigit() and now - int(stamp) > PROBE_LIFETIME:
+            stale.append(entry.name)
+    for name in stale:
+        with contextlib.suppress(ErrObjNotFound):  # a concurrent check deleted it first
+            client.bucket(bucket).object(name).delete()
+        log.info("ais://%s: deleted the probe %s, left by an earlier check", bucket, name)
+    return tuple(stale)
+
+
 def delete_objects(client: Client, bucket: str, names: tuple[str, ...], readers: int = TAIL_READERS
                    ) -> tuple[str, ...]:
     """Delete ``names`` from ais://``bucket`` (several at a time); the names deleted."""
@@ -169,7 +197,7 @@ def delete_objects(client: Client, bucket: str, names: tuple[str, ...], readers:
         return ()
     with ThreadPoolExecutor(min(readers, len(names)), thread_name_prefix="sync-delete") as pool:
         list(pool.map(lambda name: client.bucket(bucket).object(name).delete(), names))
-    log.info("ais://%s: %d orphans deleted", bucket, len(names))
+    log.info("ais://%s: %d objects deleted", bucket, len(names))
     return names
 
 
