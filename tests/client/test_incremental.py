@@ -210,10 +210,11 @@ def test_a_probe_is_deleted_whatever_happens_and_never_counts_as_an_orphan(ais, 
     running = f"{PROBE_PREFIX}{now}-{'1' * 32}.tar"  # a check still running beside this one
     for name in (left, running):
         proxy.put_object("dst", name, END_OF_ARCHIVE)
+    earlier = len(proxy.calls("PUT", f"/_target/v1/objects/dst/{PROBE_PREFIX}"))
     changes = find_changes(ais, "wds-etl-sync", "src", "dst")  # no prefix: the probes are listed with the rest
     assert changes.orphans == () and changes.counts["up_to_date"] == 6
     assert probes(proxy) == [running]  # the leftover deleted, the running check's kept
-    puts = [call.path for call in proxy.calls("PUT", f"/_target/v1/objects/dst/{PROBE_PREFIX}")]
+    puts = [call.path for call in proxy.calls("PUT", f"/_target/v1/objects/dst/{PROBE_PREFIX}")][earlier:]
     assert len(puts) == 1 and left not in puts[0] and running not in puts[0]
 
     # the read through the ETL fails: the error is raised, and the probe deleted all the same
@@ -246,6 +247,7 @@ def test_a_probe_is_deleted_whatever_happens_and_never_counts_as_an_orphan(ais, 
 
 def test_concurrent_checks_of_one_bucket_use_probes_of_their_own(ais, proxy: FakeProxy) -> None:
     transform_bucket(ais, "wds-etl-sync", "src", "dst", options=OPTIONS, prefix="val/", incremental=True)
+    earlier = len(proxy.calls("PUT", f"/_target/v1/objects/dst/{PROBE_PREFIX}"))
     results, start = [], threading.Barrier(4)
 
     def check() -> None:
@@ -259,5 +261,19 @@ def test_concurrent_checks_of_one_bucket_use_probes_of_their_own(ais, proxy: Fak
         thread.join(120)
     assert [changes.counts["up_to_date"] for changes in results] == [6] * 4
     assert all(changes.orphans == () for changes in results)
-    puts = [call.path for call in proxy.calls("PUT", f"/_target/v1/objects/dst/{PROBE_PREFIX}")]
+    puts = [call.path for call in proxy.calls("PUT", f"/_target/v1/objects/dst/{PROBE_PREFIX}")][earlier:]
     assert len(puts) == 4 and len(set(puts)) == 4 and probes(proxy) == []
+
+
+def test_a_stale_copy_the_job_did_not_rewrite_is_reported(ais, proxy: FakeProxy) -> None:
+    from transformer.client import IncompleteCopy
+
+    transform_bucket(ais, "wds-etl-sync", "src", "dst", options=OPTIONS, prefix="val/", incremental=True)
+    restamp(proxy, SHARDS[0], "settings")
+    restamp(proxy, SHARDS[1], "settings")
+    proxy.drops.add(SHARDS[1])  # the target loses its new copy: the old one, whole but stale, stays
+    with pytest.raises(IncompleteCopy, match=r"1 of 2 objects .* val/shard-1.tar: not rewritten by the job: "
+                                             r"still restyled") as raised:
+        transform_bucket(ais, "wds-etl-sync", "src", "dst", options=OPTIONS, prefix="val/", incremental=True)
+    assert raised.value.cut == {SHARDS[1]: "not rewritten by the job: still restyled"}
+    assert find_changes(ais, "wds-etl-sync", "src", "dst", prefix="val/").restyled == (SHARDS[1],)

@@ -223,6 +223,7 @@ def transform_bucket(
                 cont_on_err=continue_on_error, num_workers=num_workers, etl_pipeline=stages,
             )
         else:
+            _abort_stale_list_jobs(client, etl_name, source, destination)
             group = client.bucket(source).objects(obj_names=list(names) if names is not None else None,
                                                   obj_template=template)
             job_id = group.transform(
@@ -257,6 +258,8 @@ def _incremental(client: Client, etl_name: str, source: str, destination: str, *
         job = transform_bucket(client, etl_name, source, destination, options=options, ext=ext,
                                continue_on_error=continue_on_error, num_workers=num_workers,
                                names=changes.stale, timeout=timeout, wait=wait)
+        if wait:
+            _prove_fresh(client, job, changes, prefix)
     else:
         job = OfflineJob(etl_name, "", source, destination, finished=True, success=True, kind=LIST_JOB_KIND,
                          ext=dict(ext) if ext else None)
@@ -264,6 +267,63 @@ def _incremental(client: Client, etl_name: str, source: str, destination: str, *
         with ais_errors(etl_name, "orphan delete"):
             changes = replace(changes, deleted=delete_objects(client, destination, changes.orphans))
     return replace(job, changes=changes)
+
+
+def _prove_fresh(client: Client, job: OfflineJob, changes: Changes, prefix: str) -> None:
+    """Raise ``IncompleteCopy`` for each stale object the job recorded no error for, yet whose copy is still not up
+    to date (whole, but made from other bytes or settings: the job did not rewrite it)."""
+    failed = {_object_name(name) for name, _ in job.object_errors}
+    after = find_changes(client, job.etl_name, job.source, job.destination, prefix=prefix, ext=job.ext)
+    now = {name: kind for kind in ("new", "changed", "restyled") for name in getattr(after, kind)}
+    now.update((name, f"cut ({why})") for name, why in after.cut)
+    left = {destination_name(name, job.ext): f"not rewritten by the job: still {now[name]}"
+            for name in changes.stale if name in now and name not in failed}
+    if left:
+        raise IncompleteCopy(job.job_id, f"ais://{job.source}", job.destination, [], left,
+                             expected=len(changes.stale), ais_status="it reports the job as succeeded" if job.success
+                             else f"it reports the job as failed: {job.error}",
+                             sources={destination_name(name, job.ext): name for name in changes.stale}, job=job)
+
+
+def _abort_stale_list_jobs(client: Client, etl_name: str, source: str, destination: str) -> None:
+    """Abort the multi-object jobs of ais://``source`` -> ais://``destination`` still running from before the ETL's
+    current start. AIS adds a new list to such a running job, and it keeps calling the pods it started with, which
+    are gone once the ETL was re-registered: every object would fail, after minutes of retries."""
+    running = client.cluster().list_running_jobs(job_kind=LIST_JOB_KIND)
+    if not running:
+        return
+    current = [etl.xaction_id for etl in client.cluster().list_etls() if etl.id == etl_name and etl.xaction_id]
+    if not current:
+        return
+    etl_started = _started(client.job(current[0]).get_details().list_snapshots())
+    for entry in running:
+        job_id = entry[entry.find("[") + 1:].rstrip("]")
+        snaps = [snap for snap in client.job(job_id, job_kind=LIST_JOB_KIND).get_details().list_snapshots()
+                 if not snap.aborted and snap.source_bck and snap.destination_bck
+                 and snap.source_bck.name == source and snap.destination_bck.name == destination]
+        started = _started(snaps)
+        if etl_started is not None and started is not None and started < etl_started:
+            log.warning("offline transform: aborting job %s (ais://%s -> ais://%s): it started before ETL %s was "
+                        "last started, and would call its old pods", job_id, source, destination, etl_name)
+            client.job(job_id, job_kind=LIST_JOB_KIND).abort()
+
+
+def _started(snaps: Sequence[Any]) -> float | None:
+    """The earliest start time among AIS job snapshots (RFC 3339 with nanoseconds), in seconds since the epoch."""
+    import datetime as dt
+
+    times = []
+    for snap in snaps:
+        text = (snap.start_time or "").replace("Z", "+00:00")
+        whole, dot, rest = text.partition(".")
+        if dot:  # Python's parser takes microseconds: cut the nanoseconds, keep the zone
+            digits = len(rest) - len(rest.lstrip("0123456789"))
+            text = f"{whole}.{rest[:min(digits, 6)]}{rest[digits:]}"
+        try:
+            times.append(dt.datetime.fromisoformat(text).timestamp())
+        except ValueError:
+            continue
+    return min(times) if times else None
 
 
 def registered_options(client: Client, etl_name: str) -> dict[str, Any]:
