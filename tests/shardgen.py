@@ -6,6 +6,7 @@ import io
 import json
 import tarfile
 from functools import cache
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -55,15 +56,18 @@ def make_tar(members: list[tuple[str, bytes]], mtime: int = 1_700_000_000) -> by
     return buffer.getvalue()
 
 
-def sealed(data: bytes) -> bytes:
-    """The tar with the ETL's end marker after its last member, as the service ends every shard it writes."""
+def sealed(data: bytes, **fields: Any) -> bytes:
+    """The tar with the ETL's end marker after its last member, as the service ends every shard it writes.
+
+    ``fields`` (``source``, ``settings``, ``version``) give the marker what it was made from, as the pod
+    records it now; without them it is a marker from before those fields."""
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as archive:
         members = archive.getmembers()
         end = archive.offset  # where the end-of-archive blocks start
     keys = {m.name.rsplit("/", 1)[-1].split(".", 1)[0] for m in members}
     payload = end_marker_payload(samples_in=len(keys),
                                  samples_out=len(keys), skipped=0, passed_through=0, members=len(members),
-                                 bytes_before=end)
+                                 bytes_before=end, **fields)
     info = tarfile.TarInfo(END_MARKER_NAME)
     info.size, info.mtime, info.mode = len(payload), 1_700_000_000, 0o644
     padding = b"\0" * (-len(payload) % tarfile.BLOCKSIZE)

@@ -93,3 +93,17 @@ def test_a_marker_that_counts_other_bytes_is_refused(shard: bytes) -> None:
     broken = shard[:-1536] + b"not json".ljust(512, b"\0") + b"\0" * 1024
     with pytest.raises(ShardError, match="is not a valid end marker"):
         marker_from_tail(Ranges(broken), len(broken), "a.tar")
+
+
+@pytest.mark.parametrize("fields", [{}, {"source": {"size": 10240, "cksum_type": "xxhash2", "cksum": "0" * 16},
+                                     "settings": "f" * 32, "version": "0.1.0"}], ids=["older", "current"])
+def test_markers_from_before_and_with_the_input_fields_are_both_proven(fields: dict) -> None:
+    from transformer.integrity import ShardCheck
+    from transformer.shards import read_samples
+
+    data = sealed(make_tar([("s-0.jpg", jpeg_bytes(0, (16, 16))), ("s-0.cls", b"0")]), **fields)
+    marker = marker_from_tail(Ranges(data), len(data), "a.tar")
+    check = ShardCheck("a.tar")
+    for sample in read_samples(io.BytesIO(data), "a.tar", 1 << 20):
+        check.sample(sample)
+    assert check.finish() == marker and ("input" in marker) == bool(fields)

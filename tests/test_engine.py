@@ -220,14 +220,52 @@ def test_webdataset_readers_skip_the_manifest_and_the_end_marker(tmp_path, run_s
 
 
 def test_the_end_marker_counts_what_the_shard_holds(run_shard: RunShard, make_options: MakeOptions) -> None:
-    out, report = run_shard(make_tar(mixed_members(6, BAD)), make_options(on_error="skip"))
+    import xxhash
+
+    from transformer import __version__
+    from transformer.options import settings_digest
+
+    options = make_options(on_error="skip")
+    source = make_tar(mixed_members(6, BAD)) + bytes(8192)  # a tar writer's padding past the end-of-archive blocks
+    out, report = run_shard(source, options)
     with tarfile.open(fileobj=io.BytesIO(out)) as archive:
         infos = archive.getmembers()
         marker = json.loads(archive.extractfile(infos[-1]).read())
     assert infos[-1].name == END_MARKER_NAME and infos[-2].name == ERROR_MANIFEST_NAME
+    # what it was made from: every input byte (the padding too), hashed as AIS's "xxhash2" checksum
+    identity = {"size": len(source), "cksum_type": "xxhash2", "cksum": xxhash.xxh64(source, seed=0).hexdigest()}
     assert marker == {"format": FORMAT, "samples_in": 6, "samples_out": 4, "skipped": 2, "passed_through": 0,
-                      "members": len(infos) - 1, "bytes": infos[-1].offset}
+                      "members": len(infos) - 1, "bytes": infos[-1].offset, "input": identity,
+                      "settings": settings_digest(options), "version": __version__}
     assert report.samples_out == 4  # neither the manifest nor the marker is a sample
+    assert len(json.dumps(marker, indent=1)) < 512  # one tar block: a tail read of 2 KiB holds it
+
+
+def test_the_settings_digest_follows_every_setting_that_shapes_the_output(make_options: MakeOptions) -> None:
+    from transformer.options import settings_digest
+
+    base = settings_digest(make_options(seed=3))
+    assert settings_digest(make_options(seed=3)) == base  # stable across requests and processes
+    for change in ({"dtype": "float16"}, {"layout": "HWC"}, {"seed": 4}, {"epoch": 1}, {"on_error": "fail"},
+                   {"crop_decode": False}, {"dct_scaling": True}, {"skip": 1},
+                   {"transforms": [{"Resize": {"size": [8, 8]}}]}):
+        assert settings_digest(make_options(**{"seed": 3, **change})) != base, change
+    unseeded = settings_digest(make_options())
+    assert settings_digest(make_options()) == unseeded  # a seed drawn at random is no setting
+
+
+def test_the_end_marker_digest_covers_a_compressed_input_as_stored(run_shard: RunShard,
+                                                                   make_options: MakeOptions) -> None:
+    import gzip
+
+    import xxhash
+
+    stored = gzip.compress(make_tar(mixed_members(3)))
+    out, _ = run_shard(stored, make_options())
+    with tarfile.open(fileobj=io.BytesIO(out)) as archive:
+        marker = json.loads(archive.extractfile(archive.getmembers()[-1]).read())
+    assert marker["input"] == {"size": len(stored), "cksum_type": "xxhash2",
+                               "cksum": xxhash.xxh64(stored).hexdigest()}
 
 
 def test_an_input_written_by_this_etl_gets_a_new_marker_not_two(run_shard: RunShard,

@@ -1,7 +1,8 @@
-"""Command line: ``wds-transform serve | apply | make-shards | preview | inspect | settings``.
+"""Command line: ``wds-transform serve | apply | make-shards | preview | inspect | settings | sync``.
 
-``serve`` is the pod's entry point (the Dockerfile and the AIS runtime spec run it); the other
-commands use the same engine on local files.
+``serve`` is the pod's entry point (the Dockerfile and the AIS runtime spec run it); ``sync`` brings
+an ETL'd copy of a bucket up to date through AIS (``transform_bucket(..., incremental=True)``); the
+other commands use the same engine on local files.
 """
 
 from __future__ import annotations
@@ -53,6 +54,20 @@ def main(argv: list[str] | None = None) -> int:
 
     settings = commands.add_parser("settings", help="print the effective settings, or docs/settings.md's table")
     settings.add_argument("--markdown", action="store_true", help="print the settings table as markdown")
+
+    sync = commands.add_parser("sync", help="transform through AIS only the objects of SRC whose copy in DST is "
+                                            "missing or stale (an incremental offline transform)")
+    sync.add_argument("source", help="source bucket (ais://SRC or SRC)")
+    sync.add_argument("destination", help="destination bucket (ais://DST or DST)")
+    sync.add_argument("--etl", required=True, help="the registered ETL; the copy is made with its settings")
+    sync.add_argument("--endpoint", default=os.environ.get("AIS_ENDPOINT", ""),
+                      help="AIS proxy URL (default: AIS_ENDPOINT)")
+    sync.add_argument("--prefix", default="", help="only the source objects under this prefix")
+    sync.add_argument("--ext", action="append", default=[], metavar="FROM=TO",
+                      help="rename extensions in the destination, as AIS does (repeatable), e.g. tar=npy.tar")
+    sync.add_argument("--delete-orphans", action="store_true",
+                      help="delete the copies whose source is gone (default: report them only)")
+    sync.add_argument("--timeout", type=int, default=3600, help="seconds to wait for the job (default 3600)")
 
     args = parser.parse_args(argv)
     try:
@@ -345,6 +360,55 @@ def _settings(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sync(args: argparse.Namespace) -> int:
+    """``transform_bucket(..., incremental=True)`` with the ETL's own settings; the classes and the job printed."""
+    from .client.errors import IncompleteCopy
+    from .client.offline import registered_options, transform_bucket
+
+    if not args.endpoint:
+        print("error: give the AIS proxy URL (--endpoint or AIS_ENDPOINT)", file=sys.stderr)
+        return 2
+    ext = {}
+    for item in args.ext:
+        old, sep, new = item.partition("=")
+        if not sep or not old or not new:
+            print(f"error: --ext {item!r}: give FROM=TO, e.g. tar=npy.tar", file=sys.stderr)
+            return 2
+        ext[old.lstrip(".")] = new
+    from aistore.sdk import Client
+
+    client = Client(args.endpoint)
+    source, destination = (name.removeprefix("ais://").strip("/") for name in (args.source, args.destination))
+    try:
+        job = transform_bucket(client, args.etl, source, destination, options=registered_options(client, args.etl),
+                               prefix=args.prefix, ext=ext or None, timeout=args.timeout, incremental=True,
+                               delete_orphans=args.delete_orphans)
+    except IncompleteCopy as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    changes = job.changes
+    print(f"ais://{source} -> ais://{destination}: "
+          + ", ".join(f"{n} {key.replace('_', ' ')}" for key, n in changes.counts.items())
+          + f" ({changes.tail_reads} tail reads in {changes.seconds:.1f} s)")
+    if job.job_id:
+        print(f"job {job.job_id}: {len(changes.stale)} transformed, {job.verified} proven whole, "
+              f"{len(job.object_errors)} failed")
+        for name, message in job.object_errors:
+            print(f"  {name}: {message}")
+    else:
+        print("nothing to transform")
+    if changes.deleted:
+        print(f"deleted {len(changes.deleted)} orphan{'s' if len(changes.deleted) > 1 else ''}: "
+              + ", ".join(changes.deleted))
+    elif changes.orphans:
+        print(f"{len(changes.orphans)} orphan(s) kept (--delete-orphans removes them): "
+              + ", ".join(changes.orphans[:10]) + (" ..." if len(changes.orphans) > 10 else ""))
+    return 0
+
+
 _COMMANDS = {
     "serve": _serve,
     "apply": _apply,
@@ -352,6 +416,7 @@ _COMMANDS = {
     "preview": _preview,
     "inspect": _inspect,
     "settings": _settings,
+    "sync": _sync,
 }
 
 if __name__ == "__main__":

@@ -26,9 +26,10 @@ from typing import BinaryIO
 
 import torch
 
+from . import __version__
 from .errors import Cancelled, SampleError, TransformerError
-from .integrity import END_MARKER_KEY, END_MARKER_NAME, ShardCheck, end_marker_payload
-from .options import TransformOptions
+from .integrity import END_MARKER_KEY, END_MARKER_NAME, InputDigest, ShardCheck, end_marker_payload
+from .options import TransformOptions, settings_digest
 from .samples import needs_transform, transform_sample
 from .shards import END_OF_ARCHIVE, Member, Sample, json_member, member_bytes, read_samples
 
@@ -169,6 +170,7 @@ class ShardReport:
     started: float = field(default_factory=time.monotonic)
     first_byte: float | None = None
     mtime: float = 0.0
+    source: dict | None = None  # the input's size and digest, once read to its end (the end marker's ``input``)
 
     def manifest(self) -> bytes:
         return json.dumps(
@@ -210,7 +212,11 @@ def transform_shard(
     With ``writer`` (non-blocking), the transform thread that completes the oldest unwritten sample
     writes it, and every later one already done, through ``writer``; only what ``writer`` does not
     take, and everything after it until the driver caught up, is yielded (``_Relay``).
+
+    Every byte of ``stream`` is read, and hashed on the way (``InputDigest``): the end marker records
+    the input's size and digest, for an incremental transform to compare with the source object.
     """
+    stream = InputDigest(stream)
     read = _ShardRead(options, pool, shard, object_name,
                       report if report is not None else ShardReport(shard, object_name, options.on_error),
                       cancel, deadline)
@@ -253,14 +259,14 @@ class _ShardRead:
             raise TransformerError(f"shard '{self.shard}': object timeout exceeded after "
                                    f"{self.report.samples_in} samples")
 
-    def submitted(self, stream: BinaryIO, on_done: Callable[[], None] | None = None
+    def submitted(self, stream: InputDigest, on_done: Callable[[], None] | None = None
                   ) -> Iterator[tuple[Sample, Task | None]]:
         """The shard's samples in order, each with its transform task (None: nothing in it to transform).
 
         An input that is itself the output of this ETL (a pipeline stage before us, an ETL'd copy) ends
         with an end marker: it is checked against what came before it and dropped, as this shard gets
         its own. The first ``options.skip`` samples are read past (their bytes only; nothing decoded,
-        nothing written).
+        nothing written). Once the samples end, the rest of the stream is read into its digest.
         """
         options, report = self.options, self.report
         whole = ShardCheck(self.shard)  # whole.samples: the samples read, the skipped ones too
@@ -279,6 +285,9 @@ class _ShardRead:
                 task = self.pool.submit(transform_sample, sample, options, self.shard, self.object_name,
                                         cancel=self.cancel, on_done=on_done)
             yield sample, task
+        self.check()
+        stream.drain()
+        report.source = stream.identity()
 
 
 class _Emitter:
@@ -322,7 +331,8 @@ class _Emitter:
         actions = [error["action"] for error in report.errors]
         payload = end_marker_payload(
             samples_in=report.samples_in, samples_out=report.samples_out, skipped=actions.count("skipped"),
-            passed_through=actions.count("passed-through"), members=self.members, bytes_before=self.written)
+            passed_through=actions.count("passed-through"), members=self.members, bytes_before=self.written,
+            source=report.source, settings=settings_digest(self.options), version=__version__)
         marker = json_member(END_MARKER_NAME, payload, report.mtime)
         yield from self.pieces(Sample(END_MARKER_KEY, [marker], ["json"]), None)
         report.samples_out -= 1  # nor is the marker
@@ -331,7 +341,7 @@ class _Emitter:
         self.buffer = bytearray()
 
 
-def _relayed(read: _ShardRead, stream: BinaryIO, window: int, emitter: _Emitter,
+def _relayed(read: _ShardRead, stream: InputDigest, window: int, emitter: _Emitter,
              writer: Callable[[bytes | memoryview], Write]) -> Iterator[bytes | memoryview]:
     """``transform_shard`` with the output written by the transform threads where they can (``_Relay``)."""
     relay = _Relay(emitter, writer)

@@ -11,6 +11,12 @@ The marker is a small JSON member, ``__etl__/end.json``, written after every sam
 error manifest, if any), just before the end-of-archive blocks. It records what the pod read and
 wrote, the number of tar members before it and their byte count. webdataset's readers skip members
 under ``__*__/`` by default, so a stock pipeline never sees it; ``ShardCheck`` verifies it.
+
+It also records what the shard was made from, so that a later run can tell a stale copy from a
+current one by reading this tail alone (``transformer.client.incremental``): ``input`` (the size and
+XXH64 digest of every byte the pod read, the value AIS lists as the object's ``xxhash2`` checksum),
+``settings`` (a digest of the effective transform settings, ``options.settings_digest``) and
+``version`` (the package's). Markers written before these fields existed stay valid for readers.
 """
 
 from __future__ import annotations
@@ -18,22 +24,28 @@ from __future__ import annotations
 import json
 import tarfile
 from collections.abc import Callable
+from typing import Any, BinaryIO
 
 from .errors import ShardError
-from .shards import BLOCK, Member, Sample
+from .shards import BLOCK, Member, Sample, readinto
 
 END_MARKER_NAME = "__etl__/end.json"
 END_MARKER_KEY = "__etl__/end"  # its webdataset key (the name up to the basename's first dot)
 FORMAT = "ais-wds-etl-end/1"
+# The input digest: XXH64 with seed 0, as hex of its big-endian value. AIS 5.0 computes the same for a
+# bucket of checksum type "xxhash2" (github.com/cespare/xxhash/v2; its default for new buckets).
+INPUT_CHECKSUM = "xxhash2"
 
 
 def end_marker_payload(*, samples_in: int, samples_out: int, skipped: int, passed_through: int, members: int,
-                       bytes_before: int) -> bytes:
-    """The marker's JSON: counts for people, ``members`` and ``bytes`` for ``ShardCheck``.
+                       bytes_before: int, source: dict[str, Any] | None = None, settings: str | None = None,
+                       version: str | None = None) -> bytes:
+    """The marker's JSON: counts for people, ``members`` and ``bytes`` for ``ShardCheck``; ``input``,
+    ``settings`` and ``version`` (when given) for an incremental transform.
 
     No names: the output for an object is the same bytes whichever comm type or path asked for it.
     """
-    return json.dumps({
+    marker: dict[str, Any] = {
         "format": FORMAT,
         "samples_in": samples_in,
         "samples_out": samples_out,
@@ -41,7 +53,50 @@ def end_marker_payload(*, samples_in: int, samples_out: int, skipped: int, passe
         "passed_through": passed_through,
         "members": members,
         "bytes": bytes_before,
-    }, indent=1).encode()
+    }
+    if source is not None:
+        marker["input"] = source
+    if settings is not None:
+        marker["settings"] = settings
+    if version is not None:
+        marker["version"] = version
+    return json.dumps(marker, indent=1).encode()
+
+
+class InputDigest:
+    """A read-through wrapper that hashes every byte read from ``stream`` (``INPUT_CHECKSUM``) and counts them.
+
+    ``drain()`` reads whatever is left (the second end-of-archive block, a tar writer's padding), so the
+    digest covers the whole object, as AIS's checksum of it does.
+    """
+
+    __slots__ = ("_stream", "_hash", "size")
+
+    def __init__(self, stream: BinaryIO):
+        import xxhash  # the pod's dependency only: a reader of markers never hashes
+
+        self._stream, self._hash, self.size = stream, xxhash.xxh64(seed=0), 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._stream.read(size)
+        self._hash.update(data)
+        self.size += len(data)
+        return data
+
+    def readinto(self, buffer) -> int:
+        count = readinto(self._stream, buffer)
+        if count:
+            self._hash.update(memoryview(buffer)[:count])
+            self.size += count
+        return count
+
+    def drain(self) -> None:
+        while self.read(1 << 20):
+            pass
+
+    def identity(self) -> dict[str, Any]:
+        """What the marker records as ``input``: size, checksum type and value."""
+        return {"size": self.size, "cksum_type": INPUT_CHECKSUM, "cksum": self._hash.hexdigest()}
 
 
 class IncompleteShard(ShardError):

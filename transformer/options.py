@@ -11,6 +11,7 @@ forwarded to a next stage or a destination leave it out (``forwarded_etl_args``)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -113,6 +114,31 @@ def options_from_mapping(args: dict[str, Any], settings: Settings) -> TransformO
         crop_decode=crop_decode,
         dct_scaling=dct_scaling,
     )
+
+
+def settings_digest(options: TransformOptions) -> str:
+    """A digest of everything in ``options`` that shapes the output bytes, for the end marker.
+
+    The pipeline counts by its canonical steps (a preset and the same steps spelled out are one
+    pipeline); a seed drawn at random counts as none (each such output is one random draw anyway).
+    Equal digests with equal package versions mean the same input gives the same output.
+    """
+    effective = {
+        "transforms": options.pipeline.describe(),
+        "dtype": options.dtype,
+        "layout": options.layout,
+        "seed": options.seed if options.seeded else None,
+        "epoch": options.epoch,
+        "skip": options.skip,
+        "on_error": options.on_error,
+        "error_manifest": options.error_manifest,
+        "crop_decode": options.crop_decode,
+        "dct_scaling": options.dct_scaling,
+        "image_exts": sorted(options.image_exts),
+        "mask_exts": sorted(options.mask_exts),
+    }
+    text = json.dumps(effective, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]  # 128 bits: the marker stays within one tar block
 
 
 def forwarded_etl_args(raw: str) -> str:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import transformer
 from tests.tlscerts import make_tls_files
 
 from .cluster import (
@@ -259,6 +260,9 @@ def pod_base_env() -> dict[str, str]:
     keep = ("PATH", "LANG", "LC_ALL", "HOME", "TMPDIR", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
     env = {k: os.environ[k] for k in keep if k in os.environ}
     env.update(PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1")
+    # The pod runs the package under test, the one this process imported, even where the venv's install is of
+    # another checkout (its cwd is the pod's folder, so ``-m transformer`` would find that install first).
+    env["PYTHONPATH"] = str(Path(transformer.__file__).resolve().parent.parent)
     return env
 
 

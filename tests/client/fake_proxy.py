@@ -149,6 +149,8 @@ class FakeProxy:
         self.downloads: dict[str, dict[str, Any]] = {}  # download job id -> AIS's status of it
         self.jobs: dict[str, dict[str, Any]] = {}  # offline transform job id -> {kind, err, end_time, aborted}
         self.pod_logs = ""  # what GET /v1/etl/<name>/logs answers for the one target
+        self.checksum_type = "xxhash2"  # every bucket's checksum type (AIS 5.0's default), as HEAD answers it
+        self.versions: dict[tuple[str, str], int] = {}  # (bucket, object) -> its version, counted per PUT
         self._lock = threading.Lock()
         self._server = QuietServer(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -176,6 +178,21 @@ class FakeProxy:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
         self.buckets.add(bucket)
+        with self._lock:
+            self.versions[bucket, name] = self.versions.get((bucket, name), 0) + 1
+
+    def checksum(self, bucket: str, name: str) -> str:
+        """The object's checksum as AIS lists it: XXH64 (seed 0) hex for "xxhash2" (cespare/xxhash/v2), md5 hex."""
+        import hashlib
+
+        import xxhash
+
+        data = self.fqn(bucket, name).read_bytes()
+        if self.checksum_type == "xxhash2":
+            return xxhash.xxh64(data, seed=0).hexdigest()
+        if self.checksum_type == "md5":
+            return hashlib.md5(data).hexdigest()
+        return ""
 
     def objects(self, bucket: str) -> list[str]:
         root = self.mountpath / "@ais" / bucket / "%ob"
@@ -352,6 +369,11 @@ class FakeProxy:
 
     def _bucket(self, h: Any, r: Recorded, bucket: str) -> None:
         self._provider(r)
+        if r.method == "HEAD":  # bucket properties in a header (ais/prxbck.go, apc.HdrBucketProps)
+            if bucket not in self.buckets:
+                return h.error(404, f"bucket \"ais://{bucket}\" does not exist")
+            props = {"checksum": {"type": self.checksum_type}, "versioning": {"enabled": True}}
+            return h.reply(200, headers={"Ais-Bucket-Props": json.dumps(props)})
         action = r.body if isinstance(r.body, dict) else None
         if action is None or set(action) != {"action", "name", "value"}:
             raise ContractViolation(f"bucket request needs an ActionMsg {{action, name, value}}, got {r.body!r}")
@@ -516,9 +538,11 @@ class FakeProxy:
         h.json(200, {"id": job})
 
     def _cluster(self, h: Any, r: Recorded) -> None:
-        if r.method != "GET" or r.query.get("what") not in (["status"], ["qryxstats"]):
+        if r.method != "GET" or r.query.get("what") not in (["status"], ["qryxstats"], ["running_all"]):
             raise ContractViolation(f"{r.method} /v1/cluster?{r.query} is not used by the client")
         args = r.body if isinstance(r.body, dict) else {}
+        if r.query["what"] == ["running_all"]:  # "kind[id]" of the running jobs: this fake's end as they start
+            return h.json(200, [])
         job = self.jobs.get(args.get("ID", ""))  # the SDK's JobArgs: {ID, Kind, DaemonID, Bck, Buckets}
         if job is None:
             return h.error(404, f"job {args!r} not found")
@@ -541,7 +565,13 @@ class FakeProxy:
         start = int(value["continuation_token"] or 0)
         page = names[start : start + self.page_size]
         token = str(start + self.page_size) if start + self.page_size < len(names) else ""
+        props = set(value["props"].split(","))
         entries = [{"n": n, "s": self.fqn(bucket, n).stat().st_size} for n in page]
+        for entry in entries:  # cmn/objlist.go LsoEntry: "cs" checksum value, "v" version, when asked for
+            if "checksum" in props:
+                entry["cs"] = self.checksum(bucket, entry["n"])
+            if "version" in props:
+                entry["v"] = str(self.versions.get((bucket, entry["n"]), 1))
         listing = {"UUID": value["uuid"] or "lst-" + uuid.uuid4().hex[:6], "ContinuationToken": token, "Flags": 0,
                    "Entries": entries}
         if r.headers.get("Accept") == "application/msgpack":
@@ -565,6 +595,11 @@ class FakeProxy:
             if int(r.headers.get("Content-Length") or 0) != len(r.body):
                 raise ContractViolation("object PUT body does not match Content-Length")
             self.put_object(bucket, name, r.body)
+            return h.reply(200)
+        if r.method == "DELETE":
+            if not self.fqn(bucket, name).is_file():
+                return h.error(404, f"ais://{bucket}/{name} does not exist")
+            self.fqn(bucket, name).unlink()
             return h.reply(200)
         if r.method != "GET":
             raise ContractViolation(f"{r.method} on an object is not used by the client")

@@ -23,7 +23,8 @@ KEYS = ("npy", "cls", "__key__")
 
 
 
-def write_shards(folder: Path, shards: int, per_shard: int, *, broken: dict[int, str] | None = None) -> list[str]:
+def write_shards(folder: Path, shards: int, per_shard: int, *, broken: dict[int, str] | None = None,
+                 marker: dict | None = None) -> list[str]:
     """Shards of ``<key>.npy`` (3x4x4 float32 filled with the label) + ``<key>.cls``; label = global index.
 
     Each ends with the end marker, as the ETL writes them."""
@@ -41,7 +42,7 @@ def write_shards(folder: Path, shards: int, per_shard: int, *, broken: dict[int,
                     info = tarfile.TarInfo(name)
                     info.size = len(data)
                     archive.addfile(info, io.BytesIO(data))
-        path.write_bytes(sealed(buffer.getvalue()))  # as the ETL writes them: with the end marker
+        path.write_bytes(sealed(buffer.getvalue(), **(marker or {})))  # as the ETL writes them: with the end marker
         paths.append(str(path))
     return paths
 
@@ -65,6 +66,14 @@ def test_every_sample_exactly_once_per_epoch(tmp_path: Path, workers: int, shard
         assert all(key == f"sample-{label:05d}" for key, label in seen)
     assert loader.num_workers == min(workers, shards)  # no idle worker when there are fewer shards
     assert loader.errors.count == 0
+
+
+@pytest.mark.parametrize("marker", [{}, {"source": {"size": 10240, "cksum_type": "xxhash2", "cksum": "0" * 16},
+                                     "settings": "f" * 32, "version": "0.1.0"}], ids=["older", "current"])
+def test_shards_with_older_or_current_end_markers_are_read_whole(tmp_path: Path, marker: dict) -> None:
+    urls = write_shards(tmp_path, 2, 3, marker=marker)
+    loader = make_loader(urls, 2, keys=KEYS, num_workers=0, shuffle_buffer=0, seed=1)
+    assert sorted(label for _, label in epoch_samples(loader)) == list(range(6)) and loader.errors.count == 0
 
 
 def test_shuffles_follow_seed_and_epoch(tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ from .errors import (
     SharedMemoryError,
     ShuffleError,
 )
+from .incremental import Changes, find_changes
 from .loader import EtlLoader, make_loader
 from .offline import (
     OfflineJob,
@@ -62,6 +63,7 @@ from .urls import EpochUrls, encode_etl_args, etl_args, path_escape, pod_urls, s
 from .webloader import EtlWebDataset, etl_dataset, web_loader
 
 __all__ = [
+    "Changes",
     "ClientError",
     "ConvertError",
     "ConvertReport",
@@ -96,6 +98,7 @@ __all__ = [
     "etl_args",
     "etl_dataset",
     "etl_logs",
+    "find_changes",
     "make_loader",
     "measure_seconds_per_image",
     "obj_timeout_for",

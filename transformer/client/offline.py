@@ -12,8 +12,9 @@ preset="imagenet-val", dtype="uint8"))``.
 use, and refuses to start on any difference (``OfflineOptionsMismatch``, naming each one and the
 fix). It then starts the job, waits for it, and reports AIS's per-object errors. Before returning it
 proves the copy whole (``transformer.client.whole_copy``): every object asked for is among those errors
-or stored with its end marker, else ``IncompleteCopy``. ``object_errors`` and ``etl_logs`` surface a
-job's errors and the pod's logs on their own.
+or stored with its end marker, else ``IncompleteCopy``. With ``incremental=True`` it transforms only
+the source objects whose copy is missing or stale (``transformer.client.incremental``).
+``object_errors`` and ``etl_logs`` surface a job's errors and the pod's logs on their own.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import VARIABLES
 from .errors import ClientError, IncompleteCopy
+from .incremental import Changes, delete_objects, find_changes
 from .registration import _registered_message, ais_errors, validate_name
 from .urls import ETL_ARG_FIELDS, etl_args, expand_template
 from .whole_copy import check_copy, destination_name
@@ -79,6 +81,7 @@ class OfflineJob:
     objects: tuple[str, ...] = field(default=(), repr=False)
     ext: Mapping[str, str] | None = field(default=None, repr=False)
     end_marker: bool = True
+    changes: Changes | None = None  # an incremental transform's classes (job_id "" where nothing was stale)
 
 
 def effective_options(environment: Mapping[str, str]) -> dict[str, Any]:
@@ -167,6 +170,8 @@ def transform_bucket(
     template: str | None = None,
     timeout: int = 3600,
     wait: bool = True,
+    incremental: bool = False,
+    delete_orphans: bool = False,
 ) -> OfflineJob:
     """Transform bucket ``source`` into ``destination`` with the ETL ``etl_name``, once, and prove the copy whole.
 
@@ -186,7 +191,20 @@ def transform_bucket(
     asked for must be among the job's errors or stored whole, its end marker verified from its last
     2 KiB (only its presence where the pipeline's last stage is another ETL, which writes no marker).
     Raises ``IncompleteCopy`` naming the others, even when AIS reports the job as succeeded.
+
+    ``incremental=True`` compares each source object with its copy first (``find_changes``: two
+    listings, one 2 KiB range GET per copy) and transforms only the new, changed, restyled and cut
+    ones, in one multi-object job; ``job.changes`` holds every class. Orphans (copies whose source is
+    gone) are reported, and deleted only with ``delete_orphans=True``. It needs a destination the
+    ETL itself writes: no ``pipeline``, no ``names`` or ``template`` (the prefix selects).
     """
+    if incremental:
+        return _incremental(client, etl_name, source, destination, options=options, prefix=prefix, ext=ext,
+                            continue_on_error=continue_on_error, num_workers=num_workers, pipeline=pipeline,
+                            names=names, template=template, timeout=timeout, wait=wait,
+                            delete_orphans=delete_orphans)
+    if delete_orphans:
+        raise ValueError("transform_bucket: delete_orphans applies to an incremental transform (incremental=True)")
     if names is not None and template is not None:
         raise ValueError("transform_bucket: give names or template, not both")
     if (names is not None or template is not None) and prefix:
@@ -205,6 +223,7 @@ def transform_bucket(
                 cont_on_err=continue_on_error, num_workers=num_workers, etl_pipeline=stages,
             )
         else:
+            _abort_stale_list_jobs(client, etl_name, source, destination)
             group = client.bucket(source).objects(obj_names=list(names) if names is not None else None,
                                                   obj_template=template)
             job_id = group.transform(
@@ -220,13 +239,115 @@ def transform_bucket(
     return wait_transform(client, job, timeout)
 
 
+def _incremental(client: Client, etl_name: str, source: str, destination: str, *, options: Mapping[str, Any],
+                 prefix: str, ext: Mapping[str, str] | None, continue_on_error: bool, num_workers: int,
+                 pipeline: tuple[str, ...] | list[str], names: Sequence[str] | None, template: str | None,
+                 timeout: int, wait: bool, delete_orphans: bool) -> OfflineJob:
+    """``transform_bucket(..., incremental=True)``: the stale objects only, then the orphans if asked."""
+    if pipeline:
+        raise ValueError("incremental transform: a pipeline's end markers record its last stage's input, not the "
+                         "source object, so no copy can be compared with its source; transform in full")
+    if names is not None or template is not None:
+        raise ValueError("incremental transform: select the objects with prefix, not names or template (orphans "
+                         "are found against the whole selection)")
+    _checked_options(client, etl_name, options)
+    changes = find_changes(client, etl_name, source, destination, prefix=prefix, ext=ext)
+    if changes.stale:
+        with ais_errors(etl_name, "offline transform"):  # a multi-object job needs its destination to exist
+            client.bucket(destination).create(exist_ok=True)
+        job = transform_bucket(client, etl_name, source, destination, options=options, ext=ext,
+                               continue_on_error=continue_on_error, num_workers=num_workers,
+                               names=changes.stale, timeout=timeout, wait=wait)
+        if wait:
+            _prove_fresh(client, job, changes, prefix)
+    else:
+        job = OfflineJob(etl_name, "", source, destination, finished=True, success=True, kind=LIST_JOB_KIND,
+                         ext=dict(ext) if ext else None)
+    if delete_orphans and changes.orphans:
+        with ais_errors(etl_name, "orphan delete"):
+            changes = replace(changes, deleted=delete_objects(client, destination, changes.orphans))
+    return replace(job, changes=changes)
+
+
+def _prove_fresh(client: Client, job: OfflineJob, changes: Changes, prefix: str) -> None:
+    """Raise ``IncompleteCopy`` for each stale object the job recorded no error for, yet whose copy is still not up
+    to date (whole, but made from other bytes or settings: the job did not rewrite it)."""
+    failed = {_object_name(name) for name, _ in job.object_errors}
+    after = find_changes(client, job.etl_name, job.source, job.destination, prefix=prefix, ext=job.ext)
+    now = {name: kind for kind in ("new", "changed", "restyled") for name in getattr(after, kind)}
+    now.update((name, f"cut ({why})") for name, why in after.cut)
+    left = {destination_name(name, job.ext): f"not rewritten by the job: still {now[name]}"
+            for name in changes.stale if name in now and name not in failed}
+    if left:
+        raise IncompleteCopy(job.job_id, f"ais://{job.source}", job.destination, [], left,
+                             expected=len(changes.stale), ais_status="it reports the job as succeeded" if job.success
+                             else f"it reports the job as failed: {job.error}",
+                             sources={destination_name(name, job.ext): name for name in changes.stale}, job=job)
+
+
+def _abort_stale_list_jobs(client: Client, etl_name: str, source: str, destination: str) -> None:
+    """Abort the multi-object jobs of ais://``source`` -> ais://``destination`` still running from before the ETL's
+    current start. AIS adds a new list to such a running job, and it keeps calling the pods it started with, which
+    are gone once the ETL was re-registered: every object would fail, after minutes of retries."""
+    running = client.cluster().list_running_jobs(job_kind=LIST_JOB_KIND)
+    if not running:
+        return
+    current = [etl.xaction_id for etl in client.cluster().list_etls() if etl.id == etl_name and etl.xaction_id]
+    if not current:
+        return
+    etl_started = _started(client.job(current[0]).get_details().list_snapshots())
+    for entry in running:
+        job_id = entry[entry.find("[") + 1:].rstrip("]")
+        snaps = [snap for snap in client.job(job_id, job_kind=LIST_JOB_KIND).get_details().list_snapshots()
+                 if not snap.aborted and snap.source_bck and snap.destination_bck
+                 and snap.source_bck.name == source and snap.destination_bck.name == destination]
+        started = _started(snaps)
+        if etl_started is not None and started is not None and started < etl_started:
+            log.warning("offline transform: aborting job %s (ais://%s -> ais://%s): it started before ETL %s was "
+                        "last started, and would call its old pods", job_id, source, destination, etl_name)
+            client.job(job_id, job_kind=LIST_JOB_KIND).abort()
+
+
+def _started(snaps: Sequence[Any]) -> float | None:
+    """The earliest start time among AIS job snapshots (RFC 3339 with nanoseconds), in seconds since the epoch."""
+    import datetime as dt
+
+    times = []
+    for snap in snaps:
+        text = (snap.start_time or "").replace("Z", "+00:00")
+        whole, dot, rest = text.partition(".")
+        if dot:  # Python's parser takes microseconds: cut the nanoseconds, keep the zone
+            digits = len(rest) - len(rest.lstrip("0123456789"))
+            text = f"{whole}.{rest[:min(digits, 6)]}{rest[digits:]}"
+        try:
+            times.append(dt.datetime.fromisoformat(text).timestamp())
+        except ValueError:
+            continue
+    return min(times) if times else None
+
+
+def registered_options(client: Client, etl_name: str) -> dict[str, Any]:
+    """The ETL's settings as ``transform_bucket``'s ``options``: what it transforms offline jobs with."""
+    with ais_errors(etl_name, "offline transform"):
+        message = _registered_message(client.etl(validate_name(etl_name)))
+    if message is None:
+        raise ClientError(f"ETL '{etl_name}' is not registered")
+    runtime = message.get("runtime")
+    runtime = runtime if isinstance(runtime, dict) else {}
+    used = effective_options({e["name"]: e["value"] for e in (runtime.get("env") or []) + (message.get("env") or [])})
+    return {key: value for key, value in used.items() if value is not None}
+
+
 def wait_transform(client: Client, job: OfflineJob, timeout: float = 3600) -> OfflineJob:
     """Wait for a job ``transform_bucket(..., wait=False)`` started, then prove its copy whole.
 
     Returns the finished job (AIS's status and per-object errors, ``verified``: the objects found
-    whole); raises ``IncompleteCopy`` when an object asked for is neither among the errors nor
-    stored whole, whatever AIS reports.
+    whole; an incremental transform that found nothing stale has no job: returned as it is); raises
+    ``IncompleteCopy`` when an object asked for is neither among the errors nor stored whole, whatever
+    AIS reports.
     """
+    if not job.job_id and job.finished:
+        return job
     with ais_errors(job.etl_name, "offline transform"):
         result = wait_job(client.job(job.job_id, job_kind=job.kind), timeout)
     errors = object_errors(client, job.etl_name, job.job_id)

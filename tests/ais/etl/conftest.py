@@ -20,10 +20,12 @@ import contextlib
 import io
 import json
 import os
+import re
 import tarfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests import userns
@@ -195,6 +197,16 @@ def put_shards(client, bucket: str, names: list[str], samples: int = 6, namespac
 def tar_names(data: bytes) -> list[str]:
     with tarfile.open(fileobj=io.BytesIO(data)) as archive:
         return archive.getnames()
+
+
+def delivered(cluster: EtlCluster, etl: str) -> dict[str, float]:
+    """``etl_delivered_total`` summed over the ETL's pods, read from each pod's /metrics."""
+    totals: dict[str, float] = {}
+    for pod in cluster.kube.pods_of(etl):
+        text = httpx.get(f"http://{pod.host}:{pod.port}/metrics", timeout=10).text
+        for to, value in re.findall(r'^etl_delivered_total\{to="(\w+)"\} (\S+)$', text, re.M):
+            totals[to] = totals.get(to, 0) + float(value)
+    return totals
 
 
 def owner_of(cluster: EtlCluster, bucket: str, name: str) -> int:

@@ -5,7 +5,6 @@ pods' logs through AIS."""
 from __future__ import annotations
 
 import json
-import re
 import time
 
 import httpx
@@ -16,7 +15,7 @@ from tests.shardgen import read_output
 from transformer.client import IncompleteCopy, etl_logs, transform_bucket, wait_transform
 from transformer.client.offline import wait_job
 
-from .conftest import owner_of, put_shards
+from .conftest import delivered, owner_of, put_shards
 
 pytestmark = [pytest.mark.ais, pytest.mark.ais_etl]
 SHARDS = [f"val-{i:04d}.tar" for i in range(10)]
@@ -28,16 +27,6 @@ OPTIONS = {"preset": "imagenet-val", "dtype": "uint8", "seed": 7}  # what settin
 def offline(etl_client, etls: dict[str, str]) -> dict[str, str]:
     put_shards(etl_client, "offline-src", SHARDS, SAMPLES)
     return etls
-
-
-def delivered(cluster: EtlCluster, etl: str) -> dict[str, float]:
-    """``etl_delivered_total`` summed over the ETL's pods, read from each pod's /metrics."""
-    totals: dict[str, float] = {}
-    for pod in cluster.kube.pods_of(etl):
-        text = httpx.get(f"http://{pod.host}:{pod.port}/metrics", timeout=10).text
-        for to, value in re.findall(r'^etl_delivered_total\{to="(\w+)"\} (\S+)$', text, re.M):
-            totals[to] = totals.get(to, 0) + float(value)
-    return totals
 
 
 def objects(client, bucket: str) -> list[str]:
