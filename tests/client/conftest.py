@@ -108,17 +108,25 @@ SAMPLES = 6
 @pytest.fixture(scope="session")
 def whole() -> bytes:
     """A shard in the service's output format, written here (``tests.shardgen``): 6 samples of a uint8
-    (3, 32, 32) ``.npy`` (filled with the sample's number) and its ``.cls``, then the end marker.
+    (3, 32, 32) ``.npy`` (filled with the sample's number) and its ``.cls``, then the end marker, which
+    records what ``pod_whole`` was made from (its input's digest, its settings, the version).
     ``pod_whole`` is the service's own; a test checks that the two have the same members at the same offsets."""
     import numpy as np
 
     from tests.shardgen import npy_bytes, sealed
+    from transformer import __version__
+    from transformer.config import Settings
+    from transformer.integrity import InputDigest
+    from transformer.options import options_from_mapping, settings_digest
 
     members = []
     for i in range(SAMPLES):
         members.append((f"sample-{i:05d}.npy", npy_bytes(np.full((3, 32, 32), i, np.uint8))))
         members.append((f"sample-{i:05d}.cls", str(i).encode()))
-    return sealed(make_tar(members))
+    source = InputDigest(io.BytesIO(labelled_shard(0, SAMPLES)))
+    source.drain()
+    settings = settings_digest(options_from_mapping(SMALL, Settings.from_env({})))
+    return sealed(make_tar(members), source=source.identity(), settings=settings, version=__version__)
 
 
 @pytest.fixture(scope="session")
