@@ -306,6 +306,17 @@ def _abort_stale_list_jobs(client: Client, etl_name: str, source: str, destinati
             log.warning("offline transform: aborting job %s (ais://%s -> ais://%s): it started before ETL %s was "
                         "last started, and would call its old pods", job_id, source, destination, etl_name)
             client.job(job_id, job_kind=LIST_JOB_KIND).abort()
+            _wait_gone(client, job_id)
+
+
+def _wait_gone(client: Client, job_id: str, timeout: float = 60.0) -> None:
+    """Until an aborted job is no longer running: a list sent while it still winds down joins it and is aborted too."""
+    deadline = time.monotonic() + timeout
+    while any(job_id in entry for entry in client.cluster().list_running_jobs(job_kind=LIST_JOB_KIND) or []):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"offline transform: job {job_id}, aborted, still runs after {timeout:.0f} s; "
+                               "start the transform again once `ais show job` no longer lists it")
+        time.sleep(0.5)
 
 
 def _started(snaps: Sequence[Any]) -> float | None:
