@@ -287,8 +287,10 @@ def _prove_fresh(client: Client, job: OfflineJob, changes: Changes, prefix: str)
 
 def _abort_stale_list_jobs(client: Client, etl_name: str, source: str, destination: str) -> None:
     """Abort the multi-object jobs of ais://``source`` -> ais://``destination`` still running from before the ETL's
-    current start. AIS adds a new list to such a running job, and it keeps calling the pods it started with, which
-    are gone once the ETL was re-registered: every object would fail, after minutes of retries."""
+    current start, and wait until each has ended on every target. AIS adds a new list to such a running job, and
+    it keeps calling the pods it started with, which are gone once the ETL was re-registered: every object would
+    fail, after minutes of retries. A list sent while the aborted job winds down is aborted with it, its objects
+    in flight stored cut."""
     running = client.cluster().list_running_jobs(job_kind=LIST_JOB_KIND)
     if not running:
         return
@@ -310,13 +312,21 @@ def _abort_stale_list_jobs(client: Client, etl_name: str, source: str, destinati
 
 
 def _wait_gone(client: Client, job_id: str, timeout: float = 60.0) -> None:
-    """Until an aborted job is no longer running: a list sent while it still winds down joins it and is aborted too."""
+    """Until an aborted job has ended on every target: a list sent while it still winds down joins it and is
+    aborted too."""
     deadline = time.monotonic() + timeout
-    while any(job_id in entry for entry in client.cluster().list_running_jobs(job_kind=LIST_JOB_KIND) or []):
+    while True:
+        snaps = client.job(job_id, job_kind=LIST_JOB_KIND).get_details().list_snapshots()
+        if all(_ended(snap.end_time) for snap in snaps):
+            return
         if time.monotonic() > deadline:
             raise TimeoutError(f"offline transform: job {job_id}, aborted, still runs after {timeout:.0f} s; "
-                               "start the transform again once `ais show job` no longer lists it")
+                               "start the transform again once `ais show job` shows it ended")
         time.sleep(0.5)
+
+
+def _ended(end_time: str | None) -> bool:
+    return bool(end_time) and not str(end_time).startswith("0001-01-01")  # Go's zero time: not ended
 
 
 def _started(snaps: Sequence[Any]) -> float | None:
