@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
+from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,12 +51,12 @@ def machine() -> dict[str, Requirement]:
     return {canonicalize_name(r.name): r for r in lines(MACHINE)}
 
 
-def requires_dist(name: str, version: Version) -> list[Requirement]:
-    """The Requires-Dist of ``name==version``: from its wheel in .gpu-wheels (make gpu-wheels), else from the
-    same version installed here."""
-    for wheel in WHEELS.glob("*.whl") if WHEELS.is_dir() else []:
-        parts = wheel.name.split("-")
-        if canonicalize_name(parts[0]) == name and Version(parts[1]) == version:
+def requires_dist(name: str, version: Version, wheels: Path = WHEELS, target: str = "gpu-wheels") -> list[Requirement]:
+    """The Requires-Dist of ``name==version``: from its wheel in ``wheels`` (``make target``), else from the same
+    version installed here."""
+    for wheel in sorted(wheels.glob("*.whl")) if wheels.is_dir() else []:
+        wheel_name, wheel_version, _, _ = parse_wheel_filename(wheel.name)
+        if wheel_name == name and wheel_version == version:
             with zipfile.ZipFile(wheel) as archive:
                 member = next(m for m in archive.namelist() if m.endswith(".dist-info/METADATA"))
                 message = email.parser.Parser().parsestr(archive.read(member).decode())
@@ -66,9 +66,9 @@ def requires_dist(name: str, version: Version) -> list[Requirement]:
     except metadata.PackageNotFoundError:
         installed = None
     if installed is None or Version(installed.version) != version:
-        pytest.fail(f"cannot read {name}=={version}'s requirements: no wheel in {WHEELS.name}/ and "
+        pytest.fail(f"cannot read {name}=={version}'s requirements: no wheel in {wheels.name}/ and "
                     f"{'not installed' if installed is None else f'{installed.version} installed'} here; "
-                    "run make gpu-wheels")
+                    f"run make {target}")
     return [Requirement(r) for r in installed.requires or []]
 
 
@@ -76,6 +76,12 @@ def unmet(requirement: Requirement, pins: dict[str, Version], there: dict[str, R
     """Why ``requirement`` is not met on the GPU machine, or None."""
     if requirement.marker is not None and not requirement.marker.evaluate(MARKERS):
         return None
+    return unmet_there(requirement, pins, there)
+
+
+def unmet_there(requirement: Requirement, pins: dict[str, Version], there: dict[str, Requirement]) -> str | None:
+    """Why ``requirement`` (its marker already judged) is not met by the carried ``pins`` or the machine's
+    packages ``there``, or None."""
     name = canonicalize_name(requirement.name)
     if name in pins:
         if requirement.specifier.contains(pins[name], prereleases=True):

@@ -7,11 +7,9 @@ for CPython 3.12 on x86-64 Linux; and the wheels `make scaling-wheels` fetched f
 from __future__ import annotations
 
 import ast
-import email.parser
 import re
 import subprocess
 import sys
-import zipfile
 from importlib import metadata
 from pathlib import Path
 
@@ -22,6 +20,8 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
 from tests.test_gpu_requirements import LOCAL, MARKERS, _imports, _local_file, lines
+from tests.test_gpu_requirements import requires_dist as gpu_requires_dist
+from tests.test_gpu_requirements import unmet_there as unmet
 
 REPO = Path(__file__).resolve().parents[1]
 CARRIED = REPO / "requirements" / "scaling-check.txt"
@@ -54,24 +54,7 @@ def machine() -> dict[str, Requirement]:
 
 
 def requires_dist(name: str, version: Version) -> list[Requirement]:
-    """The Requires-Dist of ``name==version``: from its wheel in .scaling-wheels (make scaling-wheels), else from
-    the same version installed here."""
-    for wheel in sorted(WHEELS.glob("*.whl")) if WHEELS.is_dir() else []:
-        wheel_name, wheel_version, _, _ = parse_wheel_filename(wheel.name)
-        if wheel_name == name and wheel_version == version:
-            with zipfile.ZipFile(wheel) as archive:
-                member = next(m for m in archive.namelist() if m.endswith(".dist-info/METADATA"))
-                message = email.parser.Parser().parsestr(archive.read(member).decode())
-            return [Requirement(r) for r in message.get_all("Requires-Dist") or []]
-    try:
-        installed = metadata.distribution(name)
-    except metadata.PackageNotFoundError:
-        installed = None
-    if installed is None or Version(installed.version) != version:
-        pytest.fail(f"cannot read {name}=={version}'s requirements: no wheel in {WHEELS.name}/ and "
-                    f"{'not installed' if installed is None else f'{installed.version} installed'} here; "
-                    "run make scaling-wheels")
-    return [Requirement(r) for r in installed.requires or []]
+    return gpu_requires_dist(name, version, WHEELS, "scaling-wheels")
 
 
 def applies(requirement: Requirement, extras: frozenset[str]) -> bool:
@@ -79,23 +62,6 @@ def applies(requirement: Requirement, extras: frozenset[str]) -> bool:
     if requirement.marker is None:
         return True
     return any(requirement.marker.evaluate({**MARKERS, "extra": extra}) for extra in ("", *sorted(extras)))
-
-
-def unmet(requirement: Requirement, pins: dict[str, Version], there: dict[str, Requirement]) -> str | None:
-    """Why ``requirement`` (its marker already judged) is not met on the device machine, or None."""
-    name = canonicalize_name(requirement.name)
-    if name in pins:
-        if requirement.specifier.contains(pins[name], prereleases=True):
-            return None
-        return f"carried {name}=={pins[name]} does not satisfy it"
-    if name not in there:
-        return "neither carried nor on the machine"
-    if not requirement.specifier:
-        return None
-    known = [s for s in there[name].specifier if s.operator == "=="]
-    if known and requirement.specifier.contains(Version(known[0].version.replace(".*", ".0")), prereleases=True):
-        return None
-    return f"the machine's {name} is of unknown or other version ({there[name]}): carry it"
 
 
 def test_every_requirement_of_the_carried_wheels_is_met_there() -> None:

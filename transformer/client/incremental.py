@@ -39,10 +39,12 @@ from ..integrity import INPUT_CHECKSUM, marker_from_tail
 from ..shards import END_OF_ARCHIVE
 from .errors import ClientError
 from .registration import ais_errors, validate_name
-from .whole_copy import TAIL_READERS, destination_name
+from .whole_copy import TAIL_READERS, destination_name, tail_marker
 
 if TYPE_CHECKING:
     from aistore.sdk import Client
+
+_DELETED = "deleted while being checked"  # listed, then not found when its tail was read
 
 log = logging.getLogger("transformer.client")
 
@@ -113,8 +115,8 @@ def find_changes(client: Client, etl_name: str, source: str, destination: str, *
         reads = 0
         if present:
             with ThreadPoolExecutor(min(readers, len(present)), thread_name_prefix="sync-check") as pool:
-                for target, (marker, why, count) in zip(
-                        present, pool.map(lambda t: _tail_marker(client, destination, t, stored[t]), present)):
+                tails = pool.map(lambda t: tail_marker(client, destination, t, stored[t], gone=_DELETED), present)
+                for target, (marker, why, count) in zip(present, tails):
                     markers[target] = (marker, why)
                     reads += count
     classes: dict[str, list] = {name: [] for name in ("new", "changed", "restyled", "cut", "up_to_date")}
@@ -243,23 +245,3 @@ def _destination(client: Client, bucket: str, prefix: str) -> dict[str, int]:
                                                                                           props="name,size")}
     except ErrBckNotFound:
         return {}
-
-
-def _tail_marker(client: Client, bucket: str, name: str, size: int) -> tuple[dict | None, str, int]:
-    """The destination's end marker read from its tail (None and why where it has none), and the reads it took."""
-    from aistore.sdk.errors import ErrObjNotFound
-
-    obj = client.bucket(bucket).object(name)
-    reads = 0
-
-    def read(offset: int, length: int) -> bytes:
-        nonlocal reads
-        reads += 1
-        return obj.get_reader(byte_range=f"bytes={offset}-{offset + length - 1}").read_all()
-
-    try:
-        return marker_from_tail(read, size, name), "", reads
-    except ShardError as exc:
-        return None, exc.reason, reads
-    except ErrObjNotFound:
-        return None, "deleted while being checked", reads

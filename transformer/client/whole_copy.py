@@ -111,6 +111,13 @@ def _sizes(client: Client, bucket: str, prefix: str) -> dict[str, int]:
 
 def _tail(client: Client, bucket: str, name: str, size: int) -> tuple[str, int]:
     """Why the object is not whole ('' when it is), and the range reads it took."""
+    _, why, reads = tail_marker(client, bucket, name, size, gone=_GONE)
+    return why, reads
+
+
+def tail_marker(client: Client, bucket: str, name: str, size: int, *, gone: str) -> tuple[dict | None, str, int]:
+    """An object's end marker read from its tail with range GETs: (the marker, '', reads), or (None, why it has
+    none, reads); ``gone`` is the why of an object listed, then not found when read."""
     from aistore.sdk.errors import ErrObjNotFound
 
     obj = client.bucket(bucket).object(name)
@@ -122,9 +129,8 @@ def _tail(client: Client, bucket: str, name: str, size: int) -> tuple[str, int]:
         return obj.get_reader(byte_range=f"bytes={offset}-{offset + length - 1}").read_all()
 
     try:
-        marker_from_tail(read, size, name)
+        return marker_from_tail(read, size, name), "", reads
     except ShardError as exc:
-        return exc.reason, reads
+        return None, exc.reason, reads
     except ErrObjNotFound:
-        return _GONE, reads
-    return "", reads
+        return None, gone, reads

@@ -369,8 +369,6 @@ class RemoteShard:
         if self._worker is not None:
             self._owner._finished(self._worker, None)
             self._worker = None
-        if self._feeder is not None:
-            self._feeder.stop()
 
 
 class _Feeder:
@@ -406,9 +404,6 @@ class _Feeder:
             self.error = exc
         finally:
             os.close(self._write_end)
-
-    def stop(self) -> None:
-        """Nothing to do but let the thread end: it ends when the source does or the worker's end is closed."""
 
 
 def _file_descriptor(stream: BinaryIO) -> int | None:
