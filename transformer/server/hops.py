@@ -20,7 +20,7 @@ from urllib.parse import quote, urlsplit
 
 import httpx
 
-from ..errors import RequestError, UpstreamError
+from ..errors import RequestError, TransformerError, UpstreamError
 from ..redact import redact
 
 HEADER_NODE_URL = "Ais-Node-Url"
@@ -129,6 +129,7 @@ def put_stream(
     input is ``replayable`` (a local file or an hpull fetch, not a one-shot request body).
     """
     attempt = 0
+    failed: Exception | None = None  # the previous attempt's failure
     while True:
         attempt += 1
         consumed = False
@@ -141,11 +142,17 @@ def put_stream(
 
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise UpstreamError(f"PUT {_short(url)}: object timeout exceeded after {attempt - 1} attempt(s)", 504)
+            raise _gave_up(url, attempt - 1, failed)
         timeout = httpx.Timeout(remaining, connect=min(5.0, remaining))
         try:
             request = client.build_request("PUT", url, content=body(), headers=headers, timeout=timeout)
             response = client.send(request, stream=True)
+        except TransformerError:
+            # The body's own failure. Re-transforming for a retry that the object timeout cut short
+            # fails on that deadline; what the caller must fix is why the earlier attempts failed.
+            if failed is not None and time.monotonic() >= deadline:
+                raise _gave_up(url, attempt, failed) from None
+            raise
         except TRANSIENT_ERRORS as exc:
             if tls_refused(exc):  # a certificate refused: the same on every attempt
                 raise UpstreamError(f"PUT {_short(url)}: {exc.__class__.__name__}: {exc}{https_hint(url, exc)}",
@@ -165,7 +172,17 @@ def put_stream(
         delay = min(0.25 * 2 ** (attempt - 1), 4.0)
         if time.monotonic() + delay >= deadline:
             raise _transient(url, error)
+        failed = error
         time.sleep(delay)
+
+
+def _gave_up(url: str, attempts: int, failed: Exception | None) -> UpstreamError:
+    """The object timeout ended the retries: the last attempt's failure, which says what to fix, and that."""
+    timeout = f"object timeout exceeded after {attempts} attempt(s)"
+    if failed is None:
+        return UpstreamError(f"PUT {_short(url)}: {timeout}", 504)
+    last = _transient(url, failed)
+    return UpstreamError(f"{last.message} ({timeout})", last.status, last.body, last.transient)
 
 
 def _transient(url: str, error: Exception) -> UpstreamError:
