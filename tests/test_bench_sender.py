@@ -1,4 +1,4 @@
-"""``bench.sender``'s ordered writer: whoever completes the oldest result writes it, and nothing is lost.
+"""``bench.experiments.sender``'s ordered writer: whoever completes the oldest result writes it, and nothing is lost.
 
 The benchmark compares who writes a shard's output; these check its machinery, not its speed.
 """
@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from bench.sender import HeadSender, worker_sends
+from bench.experiments.sender import HeadSender, worker_sends
 
 
 class ListSink:

@@ -123,8 +123,9 @@ def test_etl_logs_come_from_both_pods(etl_client, etl_cluster: EtlCluster, offli
 
 
 def test_copy_check_bench_measures_every_case(etl_client, offline) -> None:
-    """bench/copy_check.py, small: each case runs through the real cluster; the check reads 2 KiB an object."""
-    from bench.copy_check import CASES, markdown, measure
+    """bench/experiments/copy_check.py, small: each case runs through the real cluster; the check reads 2 KiB
+    an object."""
+    from bench.experiments.copy_check import CASES, markdown, measure
 
     result = measure(etl_client, offline["hpush"], objects=12, rounds=1, progress=lambda line: None)
     assert list(result["summary"]) == list(CASES)

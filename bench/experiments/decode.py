@@ -1,4 +1,4 @@
-"""Decoding only what the output needs, side by side: ``python -m bench.decode`` (about 5-10 min on 2 cores).
+"""Decoding only what the output needs, side by side: ``python -m bench.experiments.decode`` (5-10 min, 2 cores).
 
 On two sets, the ImageNet-like demo JPEGs (~500 x 375, ~100 KB) and multi-megapixel photographs made from
 the same bundled photographs (3000 on the long side, grain, quality 90, ~2 MB), for ``imagenet-train``:
@@ -19,6 +19,9 @@ decode at a reduced DCT scale, not torchvision's pixels); section 1 also measure
 ``dct_scaling``, and ``python -m bench.accuracy`` the error. Sections 2 and 3 run once per round, in
 alternating order, so every ratio compares figures of one round; the report gives medians with min-max
 over rounds.
+
+Decided: ``crop_decode`` on by default, ``dct_scaling`` by choice only (``bench/results/decode/``,
+docs/performance.md "Partial JPEG decoding (``crop_decode``)").
 """
 
 from __future__ import annotations
@@ -41,15 +44,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import compute, data, services
-from .stats import median
+from bench import compute, data, services
+from bench.stats import median
 
 log = logging.getLogger("bench")
 PRESET = "imagenet-train"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.experiments.decode", description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--imagenet", type=int, default=300, help="ImageNet-like samples")
     parser.add_argument("--photos", type=int, default=30, help="multi-megapixel samples")
@@ -182,8 +185,6 @@ def over_http(server: services.Server, shard: data.Shard, etl_args: dict) -> dic
 def run(args: argparse.Namespace, work: Path) -> dict:
     from transformer.config import Settings, available_cpus
 
-    from . import compute
-
     workers = args.workers or available_cpus()
     log.info("shards: %d ImageNet-like samples, %d multi-megapixel photographs", args.imagenet, args.photos)
     sets = {"imagenet": data.demo_shards(work, 1, args.imagenet)[0],
@@ -231,7 +232,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
 
 def report(results: dict) -> str:
     meta = results.get("meta", {})
-    lines = [f"`{meta.get('command', 'python -m bench.decode')}` at {meta.get('commit', '?')}: "
+    lines = [f"`{meta.get('command', 'python -m bench.experiments.decode')}` at {meta.get('commit', '?')}: "
              f"{len(results['rounds'])} rounds, {results['workers']} workers, imagenet-train, float32; "
              f"load average {meta.get('load_average_start_end')} (start, end) on {meta.get('cpus')} CPUs"]
     for name, costs in results["decode"].items():
@@ -268,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         results = run(args, work)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=services.REPO_ROOT, capture_output=True,
                             text=True).stdout.strip()
-    results["meta"] = {"commit": commit, "command": "python -m bench.decode " + " ".join(argv or sys.argv[1:]),
+    command = "python -m bench.experiments.decode " + " ".join(argv or sys.argv[1:])
+    results["meta"] = {"commit": commit, "command": command,
                        "load_average_start_end": [round(load[0], 2), round(os.getloadavg()[0], 2)],
                        "cpus": os.cpu_count(), "torch": torch.__version__}
     if args.json:

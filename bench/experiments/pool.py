@@ -1,10 +1,13 @@
-"""The transform pool's own cost per task: ``python -m bench.pool``.
+"""The transform pool's own cost per task: ``python -m bench.experiments.pool``.
 
 Why ``engine.TransformPool`` is hand-written: the same ordered window over a trivial task, once through
 ``concurrent.futures.ThreadPoolExecutor`` with a ``BoundedSemaphore`` for the in-flight bound and a done
 callback (the usual way to bound it), once through ``TransformPool``. Prints process CPU per task: what
 the pool itself costs, nearly all of it Python holding the GIL that the transform threads and the
 shard's driver thread share.
+
+Decided: the hand-written ``engine.TransformPool`` over ``ThreadPoolExecutor`` (9 against 16 us per task; one
+run, not kept: docs/performance.md "Cores: threads, then worker processes" gives it as an estimate).
 """
 
 from __future__ import annotations

@@ -12,7 +12,10 @@ order rotated every round:
 * ``read-whole``: every object read whole and through ``shard_samples`` (end marker, member count), 16 at
   a time.
 
-    python -m bench.copy_check [--objects 300] [--rounds 3] [--out bench/results/copy-check]
+    python -m bench.experiments.copy_check [--objects 300] [--rounds 3] [--out bench/results/copy-check]
+
+Decided: ``transform_bucket`` proves a copy whole by a 2 KiB tail read per object, not by reading it whole
+(``bench/results/copy-check/``, docs/client.md "The copy, proven whole").
 """
 
 from __future__ import annotations
@@ -142,7 +145,8 @@ def main() -> int:
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
     text = markdown(result)
-    (options.out / "results.md").write_text("# The offline copy check, side by side\n\n`python -m bench.copy_check "
+    (options.out / "results.md").write_text("# The offline copy check, side by side\n\n"
+                                            "`python -m bench.experiments.copy_check "
                                             f"--objects {options.objects} --rounds {options.rounds}`\n\n" + text)
     print(text)
     return 0

@@ -1,4 +1,4 @@
-"""Two versions of ``make_loader`` reading in DataLoader workers: ``python -m bench.loader_ab --base REV``.
+"""Two versions of ``make_loader`` reading in DataLoader workers: ``python -m bench.experiments.loader_ab --base REV``.
 
 The same ETL'd shards on local disk (the service's own output, imagenet-val, uint8 and float32) are
 read whole by ``make_loader`` with 1 and 2 workers, without and with a 1000-sample shuffle buffer.
@@ -7,6 +7,9 @@ same load. The main process lets each batch go when the next one arrives, as a t
 ``--base REV`` checks REV out in a temporary git worktree as A; B is this checkout.
 
 Outputs in ``--out`` (default ``bench/results/loader-ab``): ``results.json`` and ``results.md``.
+
+Decided: DataLoader workers fill batches in shared memory they keep (``batchmemory._SharedSlots``), 2-4x
+PyTorch's copy (``bench/results/loader-ab/``, docs/performance.md "Batches from DataLoader workers").
 """
 
 from __future__ import annotations
@@ -21,16 +24,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import client_side, data
-from .stats import median
+from bench import client_side, data
+from bench.stats import median
 
 log = logging.getLogger("bench")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CASES = [(dtype, workers, buffer) for dtype in ("float32", "uint8") for workers in (1, 2) for buffer in (0, 1000)]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.loader_ab", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.experiments.loader_ab", description=__doc__.splitlines()[0])
     parser.add_argument("--base", required=True, help="git revision to measure as A (a temporary worktree)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--shards", type=int, default=16)
@@ -56,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             runs = measure(args, work, {"A": base, "B": REPO})
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)], check=False)
-    results = {"runs": runs, "meta": {"command": "python -m bench.loader_ab " + shlex.join(sys.argv[1:] if argv is None
-                                                                                          else argv),
+    command = "python -m bench.experiments.loader_ab " + shlex.join(sys.argv[1:] if argv is None else argv)
+    results = {"runs": runs, "meta": {"command": command,
                                       "base": args.base, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z",
                                                                                   time.localtime(started)),
                                       "duration_s": round(time.time() - started, 1), "rounds": args.rounds,

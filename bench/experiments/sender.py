@@ -1,4 +1,4 @@
-"""Which thread should write a shard's output: ``python -m bench.sender`` (about 2 minutes).
+"""Which thread should write a shard's output: ``python -m bench.experiments.sender`` (about 2 minutes).
 
 The service's shard driver thread reads the input, submits each sample to the transform threads, waits
 for the oldest one and writes it to the socket: it wakes once per sample, on two cores shared with the
@@ -15,8 +15,12 @@ client (``services.CurlSink``), with no tar and no server, in rounds taking turn
 
 With direct send, the service writes as the last row does (the engine's relay writing through
 ``transformer/server/output.py``); docs/performance.md ("Who writes the output") measures it side by
-side in the service itself with ``python -m bench.ab``.
+side in the service itself with ``python -m bench.experiments.ab``.
 Prints images/s per round and medians with the fraction of the compute limit.
+
+Decided: with direct send, the transform thread that finishes the oldest sample writes it
+(``engine._Relay``); no run kept here, the decision rests on ``bench.experiments.ab``'s runs in the service
+(``bench/results/ab-output-owner/``, docs/performance.md "Who writes the output").
 """
 
 from __future__ import annotations
@@ -122,7 +126,7 @@ def worker_sends(samples: list[Sample], one, pool: ThreadPoolExecutor, window: i
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.sender", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.experiments.sender", description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--samples", type=int, default=1000, help="samples of the demo shard (default 1000)")
     parser.add_argument("--window", type=int, default=16, help="samples in flight (default 16)")

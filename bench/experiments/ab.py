@@ -1,4 +1,4 @@
-"""Two versions of the service side by side: ``python -m bench.ab --base REV`` (or ``--a``/``--b`` trees).
+"""Two versions of the service side by side: ``python -m bench.experiments.ab --base REV`` (or ``--a``/``--b`` trees).
 
 Each round sends the same shards (hpush with ``etl_fqn``, one at a time, as AIS sends an inline read)
 to version A, then to version B, alternating which goes first, so both see the same load on a shared
@@ -8,6 +8,10 @@ difference must exceed.
 
 ``--base REV`` checks REV out in a temporary git worktree as A and uses this checkout as B;
 ``--a . --b-env ETL_DIRECT_SEND=false`` compares one version with itself under two settings.
+
+Decided: the end marker costs nothing measurable (``bench/results/ab-end-marker/``, docs/performance.md
+"The end marker"), and the output path keeps direct send and the finishing transform thread writing
+(``bench/results/ab-output-owner/``, docs/performance.md "Who writes the output").
 """
 
 from __future__ import annotations
@@ -21,14 +25,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import data, services
-from .stats import median
+from bench import data, services
+from bench.stats import median
 
 log = logging.getLogger("bench")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.experiments.ab", description=__doc__.splitlines()[0])
     parser.add_argument("--base", help="git revision to measure as A (checked out in a temporary worktree)")
     parser.add_argument("--a", type=Path, help="source tree of version A (instead of --base)")
     parser.add_argument("--b", type=Path, default=services.REPO_ROOT, help="source tree of version B (default: here)")
