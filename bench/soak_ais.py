@@ -802,7 +802,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep", action="store_true", help="keep the run's folder (AIS and pod logs, the "
                         "probes, the readers' warnings, the sockets at each quiet point) also when every bound held")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "soak-ais",
-                        help="folder for results.json, results.md, results.png (default bench/results/soak-ais)")
+                        help="folder for results.json.gz, results.md, results.png (default bench/results/soak-ais)")
 
 
 def options_from(args: argparse.Namespace) -> Options:

@@ -1,12 +1,19 @@
-"""The through-AIS soak's figures (``bench/soak_ais.py``): the report as JSON, its bounds checked, a short
-table (``results.md``) and a plot of the processes over time (``results.png``)."""
+"""The through-AIS soak's figures (``bench/soak_ais.py``): the report as gzipped JSON, its bounds checked, a short
+table (``results.md``) and a plot of the processes over time (``results.png``).
+
+``python -m bench.soak_report FOLDER`` prints the table again from the folder's ``results.json.gz`` (a
+30-minute run's series are megabytes of JSON, hence kept compressed).
+"""
 
 from __future__ import annotations
 
+import argparse
+import gzip
 import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict
@@ -362,9 +369,30 @@ def write_plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+REPORT = "results.json.gz"
+
+
 def write_report(report: dict, folder: Path) -> None:
-    """``results.json`` (every figure and series), ``results.md`` and ``results.png`` under ``folder``."""
+    """``results.json.gz`` (every figure and series), ``results.md`` and ``results.png`` under ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "results.json").write_text(json.dumps(report, indent=1) + "\n")
+    text = json.dumps(report, indent=1) + "\n"
+    (folder / REPORT).write_bytes(gzip.compress(text.encode(), compresslevel=9, mtime=0))
     (folder / "results.md").write_text(markdown(report))
     write_plot(report, folder / "results.png")
+
+
+def load_report(folder: Path) -> dict:
+    """The report ``write_report`` kept in ``folder``."""
+    return json.loads(gzip.decompress((folder / REPORT).read_bytes()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.soak_report", description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path, help=f"a soak's results folder (its {REPORT})")
+    args = parser.parse_args(argv)
+    sys.stdout.write(markdown(load_report(args.folder)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
