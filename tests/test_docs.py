@@ -4,8 +4,10 @@ Checked: the README's length (lines, and characters per line); every relative li
 docs/*.md (the file, and the heading its #anchor names); every inline-code repo path there (`docs/...`,
 `bench/...`, `transformer/...`, `tests/...`, `k8s/...`, `examples/...`); every docs/ path and every repo
 file path named in the sources (Python under transformer/, bench/, tests/ and examples/, and the
-Dockerfile, Makefile, pyproject.toml, k8s/ and scripts/). The generated tables are checked where they are
-generated: the settings table in tests/test_config.py, the headline tables in tests/test_bench_headline.py.
+Dockerfile, Makefile, pyproject.toml, k8s/ and scripts/); every ``python -m bench...`` module named in
+the docs, the kept runs' reports under bench/results/, and bench/, tests/ and examples/. The generated
+tables are checked where they are generated: the settings table in tests/test_config.py, the headline
+tables in tests/test_bench_headline.py.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ CODE_SPAN = re.compile(r"(`+)(.+?)\1")
 FENCE = re.compile(r"^ {0,3}(```|~~~).*?^ {0,3}\1[^\n]*$", re.M | re.S)
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
 # A docs/ path, or a repo file named by its path from the root (tests/..., bench/..., ...).
+BENCH_COMMAND = re.compile(r"python3? -m (bench(?:\.\w+)+)")
 DOCS_IN_SOURCE = re.compile(r"(?<![\w/.%-])(?:docs/[\w.-]+(?:/[\w.-]+)*|"
                             r"(?:tests|bench|transformer|examples)/[\w/.-]+\.(?:py|md))")
 
@@ -119,6 +122,28 @@ def test_every_docs_path_named_in_the_sources_exists() -> None:
     assert missing == []
 
 
+def bench_modules_missing(text: str) -> list[str]:
+    """The ``python -m bench...`` modules named in ``text`` that are not in the repo."""
+    return sorted({name for name in BENCH_COMMAND.findall(text) if not module_exists(name)})
+
+
+def module_exists(name: str) -> bool:
+    path = REPO.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def command_files() -> list[Path]:
+    """Where ``python -m bench...`` command lines are written: the docs, kept runs' reports, bench/ and tests/."""
+    sources = [f for f in source_files() if any(f.is_relative_to(REPO / d) for d in ("bench", "tests", "examples"))]
+    return [*documents(), *sorted((REPO / "bench" / "results").rglob("*.md")), *sources]
+
+
+def test_every_bench_command_names_a_module() -> None:
+    missing = [(str(f.relative_to(REPO)), name) for f in command_files()
+               for name in bench_modules_missing(f.read_text(errors="replace"))]
+    assert missing == []
+
+
 def test_the_checks_catch_what_they_are_for(tmp_path: Path) -> None:
     """A check that never fails checks nothing: each one, fed a broken reference, reports it."""
     assert slug("Partial JPEG decoding (`crop_decode`)") == "partial-jpeg-decoding-crop_decode"
@@ -136,3 +161,5 @@ def test_the_checks_catch_what_they_are_for(tmp_path: Path) -> None:
     source = tmp_path / "x.py"
     source.write_text('"""See docs/missing.md and docs/contract.md."""\nURL = f"/docs/dir/a.tar"\n')
     assert docs_named_in(source) == {"docs/missing.md", "docs/contract.md"}
+    assert bench_modules_missing("python -m bench.run --smoke; `python -m bench.nothing`; "
+                                 "python3 -m bench.experiments.ab python -m bench.experiments") == ["bench.nothing"]
