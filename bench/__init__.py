@@ -1,1 +1,2 @@
-"""Benchmark suite: this service against the conventional AIS ETL and client-side decoding (``python -m bench.run``)."""
+"""Benchmark suite: this service against the conventional AIS ETL and client-side decoding (``python -m bench.run``);
+bench/experiments/ holds the one-off experiments that settled design choices, bench/results/ the kept runs."""
