@@ -17,6 +17,7 @@ logs), ``download`` (links fetched and transformed by the pods, stored in a buck
 """
 
 from ..integrity import IncompleteShard
+from ..wire import path_escape
 from .convert import ConvertReport, convert
 from .dali import EtlBatchSource, read_etl_shards
 from .download import DownloadJob, download, wait_download
@@ -59,7 +60,7 @@ from .registration import (
 )
 from .shuffle import ShuffleResult, dsort_framework, shuffle_shards
 from .stream import ResumeError
-from .urls import EpochUrls, encode_etl_args, etl_args, path_escape, pod_urls, set_etl_args, shard_urls
+from .urls import EpochUrls, encode_etl_args, etl_args, pod_urls, set_etl_args, shard_urls
 from .webloader import EtlWebDataset, etl_dataset, web_loader
 
 __all__ = [

@@ -27,10 +27,11 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ..config import VARIABLES
+from ..wire import ETL_ARG_FIELDS
 from .errors import ClientError, IncompleteCopy
 from .incremental import Changes, delete_objects, find_changes
 from .registration import _registered_message, ais_errors, validate_name
-from .urls import ETL_ARG_FIELDS, etl_args, expand_template
+from .urls import etl_args, expand_template
 from .whole_copy import check_copy, destination_name
 
 if TYPE_CHECKING:
