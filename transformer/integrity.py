@@ -27,8 +27,8 @@ from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from .errors import ShardError
-from .shards import BLOCK, Member, Sample, readinto
-from .wire import END_MARKER_FORMAT, END_MARKER_KEY, END_MARKER_NAME, INPUT_CHECKSUM
+from .shards import Member, Sample, readinto
+from .wire import BLOCK, END_MARKER_FORMAT, END_MARKER_KEY, END_MARKER_NAME, INPUT_CHECKSUM
 
 
 def end_marker_payload(*, samples_in: int, samples_out: int, skipped: int, passed_through: int, members: int,

@@ -36,8 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ShardError
 from ..integrity import marker_from_tail
-from ..shards import END_OF_ARCHIVE
-from ..wire import INPUT_CHECKSUM
+from ..wire import END_OF_ARCHIVE, INPUT_CHECKSUM
 from .errors import ClientError
 from .registration import ais_errors, validate_name
 from .whole_copy import TAIL_READERS, destination_name, tail_marker

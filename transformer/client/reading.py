@@ -39,8 +39,8 @@ from webdataset.tariterators import base_plus_ext
 
 from ..errors import ShardError
 from ..integrity import IncompleteShard, ShardCheck
-from ..shards import BLOCK, Member, _Chunks, _decompressed, _Headers, header_from, plain_member
-from ..wire import END_MARKER_NAME
+from ..shards import Member, _Chunks, _decompressed, _Headers, header_from
+from ..wire import BLOCK, END_MARKER_NAME, plain_member
 from .errors import ShardFetchError, SharedMemoryError
 
 log = logging.getLogger("transformer.client")
