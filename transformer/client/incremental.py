@@ -38,7 +38,8 @@ from ..errors import ShardError
 from ..integrity import marker_from_tail
 from ..wire import END_OF_ARCHIVE, INPUT_CHECKSUM
 from .errors import ClientError
-from .registration import ais_errors, validate_name
+from .etlspec import validate_name
+from .registration import ais_errors
 from .whole_copy import TAIL_READERS, destination_name, tail_marker
 
 if TYPE_CHECKING:

@@ -96,7 +96,7 @@ def shard_urls(
     """
     from aistore.sdk.etl import ETLConfig
 
-    from .registration import validate_name
+    from .etlspec import validate_name
 
     given = [option for option in (prefix, template, names) if option is not None]
     if len(given) != 1:
