@@ -440,8 +440,9 @@ def write_shards(folder: Path, dtype: str, shards: int, per_shard: int, size: in
     import numpy as np
     from numpy.lib import format as npy
 
-    from transformer.integrity import END_MARKER_NAME, end_marker_payload
-    from transformer.shards import END_OF_ARCHIVE, Member, json_member, member_bytes
+    from transformer.integrity import end_marker_payload
+    from transformer.shards import Member, json_member, member_bytes
+    from transformer.wire import END_MARKER_NAME, END_OF_ARCHIVE
 
     images = distinct_images(size)
     images = images if dtype == "uint8" else as_float32(images)

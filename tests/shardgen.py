@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from transformer.integrity import END_MARKER_NAME, FORMAT, end_marker_payload
+from transformer.integrity import end_marker_payload
+from transformer.wire import END_MARKER_FORMAT, END_MARKER_NAME
 
 _PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")
 
@@ -99,7 +100,7 @@ def read_tar(data: bytes) -> list[tuple[str, bytes]]:
         assert END_MARKER_NAME not in [m.name for m in infos], "the end marker is not the last member"
         return members
     marker = json.loads(members[-1][1])
-    assert marker["format"] == FORMAT, marker
+    assert marker["format"] == END_MARKER_FORMAT, marker
     assert (marker["members"], marker["bytes"]) == (len(infos) - 1, infos[-1].offset), (marker, len(infos))
     return members[:-1]
 

@@ -19,8 +19,8 @@ from transformer import engine
 from transformer.config import Settings
 from transformer.engine import ERROR_MANIFEST_NAME, ShardReport, TransformPool, transform_shard
 from transformer.errors import Cancelled, SampleError, ShardError, TransformerError
-from transformer.integrity import END_MARKER_NAME, FORMAT
 from transformer.options import TransformOptions, options_from_mapping
+from transformer.wire import END_MARKER_FORMAT, END_MARKER_NAME
 
 RunShard = Callable[..., tuple[bytes, ShardReport]]
 MakeOptions = Callable[..., TransformOptions]
@@ -234,7 +234,7 @@ def test_the_end_marker_counts_what_the_shard_holds(run_shard: RunShard, make_op
     assert infos[-1].name == END_MARKER_NAME and infos[-2].name == ERROR_MANIFEST_NAME
     # what it was made from: every input byte (the padding too), hashed as AIS's "xxhash2" checksum
     identity = {"size": len(source), "cksum_type": "xxhash2", "cksum": xxhash.xxh64(source, seed=0).hexdigest()}
-    assert marker == {"format": FORMAT, "samples_in": 6, "samples_out": 4, "skipped": 2, "passed_through": 0,
+    assert marker == {"format": END_MARKER_FORMAT, "samples_in": 6, "samples_out": 4, "skipped": 2, "passed_through": 0,
                       "members": len(infos) - 1, "bytes": infos[-1].offset, "input": identity,
                       "settings": settings_digest(options), "version": __version__}
     assert report.samples_out == 4  # neither the manifest nor the marker is a sample

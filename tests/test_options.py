@@ -8,8 +8,9 @@ import pytest
 
 from transformer.config import Settings
 from transformer.errors import ConfigError, OptionsError
-from transformer.options import FIELDS, parse_etl_args
+from transformer.options import parse_etl_args
 from transformer.spec import build_pipeline
+from transformer.wire import ETL_ARG_FIELDS
 
 
 def parse(args: object, settings: Settings):
@@ -38,8 +39,8 @@ def test_every_field(settings: Settings) -> None:
     assert (options.dtype, options.layout, options.on_error) == ("float16", "HWC", "fail")
     assert (options.seed, options.seeded, options.epoch, options.skip) == (42, True, 3, 5)
     assert options.crop_decode is False and options.dct_scaling is True
-    assert set(FIELDS) == {"preset", "transforms", "dtype", "layout", "seed", "epoch", "on_error", "skip",
-                           "crop_decode", "dct_scaling"}
+    assert set(ETL_ARG_FIELDS) == {"preset", "transforms", "dtype", "layout", "seed", "epoch", "on_error", "skip",
+                                    "crop_decode", "dct_scaling"}
     assert parse({}, settings).skip == 0
 
 

@@ -23,8 +23,9 @@ from transformer.config import Settings
 from transformer.errors import SampleError
 from transformer.options import TransformOptions, options_from_mapping
 from transformer.samples import transform_sample
-from transformer.shards import END_OF_ARCHIVE, Member, Sample, member_bytes
+from transformer.shards import Member, Sample, member_bytes
 from transformer.spec import IMAGENET_MEAN, IMAGENET_STD
+from transformer.wire import END_OF_ARCHIVE
 
 MakeOptions = Callable[..., TransformOptions]
 MakeSample = Callable[[list[tuple[str, bytes]]], Sample]

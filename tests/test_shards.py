@@ -15,7 +15,8 @@ import webdataset as wds
 
 from tests.shardgen import make_tar
 from transformer.errors import ShardError
-from transformer.shards import BLOCK, END_OF_ARCHIVE, Member, Sample, json_member, member_bytes, read_samples
+from transformer.shards import Member, Sample, json_member, member_bytes, read_samples
+from transformer.wire import BLOCK, END_OF_ARCHIVE
 
 LIMIT = 2**30
 
@@ -450,7 +451,7 @@ def test_a_member_larger_than_the_first_buffer_grows_and_reads_exactly() -> None
 
 
 def test_the_plain_header_fast_path_agrees_with_tarfile_field_by_field() -> None:
-    from transformer.shards import _plain_file
+    from transformer.wire import plain_file
 
     rng = random.Random(5)
     names = ["k.jpg", "dir/sample-000001.cls", "a" * 100, "p/" * 60 + "deep.json", "caf\u00e9.txt", "x"]
@@ -473,7 +474,7 @@ def test_the_plain_header_fast_path_agrees_with_tarfile_field_by_field() -> None
         if case % 3 == 0:  # damage one byte: the fast path must agree or step aside, never differ
             block[rng.randrange(BLOCK)] = rng.randrange(256)
         block = bytes(block)
-        fast = _plain_file(block, 1024)
+        fast = plain_file(block, 1024)
         try:
             slow = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
         except tarfile.HeaderError:
@@ -488,7 +489,7 @@ def test_the_plain_header_fast_path_agrees_with_tarfile_field_by_field() -> None
 
 
 def test_the_header_writer_fast_path_agrees_with_tarfile_byte_for_byte() -> None:
-    from transformer.shards import _ustar_header
+    from transformer.wire import ustar_header
 
     rng = random.Random(7)
     names = ["k.npy", "dir/sample-000001.image.npy", "a" * 100, "a" * 101, "caf\u00e9.npy", "x\udcff.npy", "n"]
@@ -509,7 +510,7 @@ def test_the_header_writer_fast_path_agrees_with_tarfile_byte_for_byte() -> None
         if case % 13 == 0:
             info.pax_headers = {"comment": "x"}
         expected = info.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8", errors="surrogateescape")
-        fast = _ustar_header(info)
+        fast = ustar_header(info)
         if fast is not None:
             assert fast == expected, info.get_info()
             fast_cases += 1

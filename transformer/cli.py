@@ -2,7 +2,8 @@
 
 ``serve`` is the pod's entry point (the Dockerfile and the AIS runtime spec run it); ``sync`` brings
 an ETL'd copy of a bucket up to date through AIS (``transform_bucket(..., incremental=True)``); the
-other commands use the same engine on local files.
+other commands use the same engine on local files, and so does ``measure_seconds_per_image``, the
+engine's cost per image on one local shard that ``EtlSettings(seconds_per_image=...)`` takes.
 """
 
 from __future__ import annotations
@@ -193,6 +194,35 @@ def _apply(args: argparse.Namespace) -> int:
     finally:
         pool.shutdown()
     return 1 if failed else 0
+
+
+def measure_seconds_per_image(shard: str, etl_args: str = "", max_samples: int | None = None) -> float:
+    """Seconds per image of the service's own engine on one local shard, on one thread.
+
+    What ``apply`` runs, timed. Feed the result to ``EtlSettings(seconds_per_image=...)``
+    (``transformer.client`` exports it). Needs the ``server`` extra (torchvision), imported only here.
+    """
+    import time
+
+    from .config import Settings
+    from .engine import ShardReport, TransformPool, transform_shard
+    from .options import parse_etl_args
+
+    settings = Settings.from_env({})
+    options = parse_etl_args(etl_args, settings)
+    pool = TransformPool(workers=1, max_inflight=4)
+    report = ShardReport(shard, shard, options.on_error)
+    started = time.perf_counter()
+    try:
+        with open(shard, "rb") as stream:
+            for _ in transform_shard(stream, options, pool, shard=shard, object_name=shard, window=2, report=report):
+                if max_samples is not None and report.samples_in >= max_samples:
+                    break
+    finally:
+        pool.shutdown()
+    if report.images == 0:
+        raise ValueError(f"measure_seconds_per_image: shard {shard!r} has no transformable image")
+    return (time.perf_counter() - started) / report.images
 
 
 class _CountingReader:

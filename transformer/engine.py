@@ -28,10 +28,11 @@ import torch
 
 from . import __version__
 from .errors import Cancelled, SampleError, TransformerError
-from .integrity import END_MARKER_KEY, END_MARKER_NAME, InputDigest, ShardCheck, end_marker_payload
+from .integrity import InputDigest, ShardCheck, end_marker_payload
 from .options import TransformOptions, settings_digest
 from .samples import needs_transform, transform_sample
-from .shards import END_OF_ARCHIVE, Member, Sample, json_member, member_bytes, read_samples
+from .shards import Member, Sample, json_member, member_bytes, read_samples
+from .wire import END_MARKER_KEY, END_MARKER_NAME, END_OF_ARCHIVE
 
 log = logging.getLogger("transformer.engine")
 

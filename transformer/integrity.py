@@ -27,14 +27,8 @@ from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from .errors import ShardError
-from .shards import BLOCK, Member, Sample, readinto
-
-END_MARKER_NAME = "__etl__/end.json"
-END_MARKER_KEY = "__etl__/end"  # its webdataset key (the name up to the basename's first dot)
-FORMAT = "ais-wds-etl-end/1"
-# The input digest: XXH64 with seed 0, as hex of its big-endian value. AIS 5.0 computes the same for a
-# bucket of checksum type "xxhash2" (github.com/cespare/xxhash/v2; its default for new buckets).
-INPUT_CHECKSUM = "xxhash2"
+from .shards import Member, Sample, readinto
+from .wire import BLOCK, END_MARKER_FORMAT, END_MARKER_KEY, END_MARKER_NAME, INPUT_CHECKSUM
 
 
 def end_marker_payload(*, samples_in: int, samples_out: int, skipped: int, passed_through: int, members: int,
@@ -46,7 +40,7 @@ def end_marker_payload(*, samples_in: int, samples_out: int, skipped: int, passe
     No names: the output for an object is the same bytes whichever comm type or path asked for it.
     """
     marker: dict[str, Any] = {
-        "format": FORMAT,
+        "format": END_MARKER_FORMAT,
         "samples_in": samples_in,
         "samples_out": samples_out,
         "skipped": skipped,
@@ -146,7 +140,7 @@ class ShardCheck:
             marker = json.loads(member.data)
         except ValueError:
             marker = None
-        if not isinstance(marker, dict) or marker.get("format") != FORMAT:
+        if not isinstance(marker, dict) or marker.get("format") != END_MARKER_FORMAT:
             raise self.incomplete(f"'{END_MARKER_NAME}' is not a valid end marker")
         if marker.get("members") != self.members or marker.get("bytes") != info.offset:
             raise self.incomplete(
@@ -219,7 +213,7 @@ def marker_from_tail(read: Callable[[int, int], bytes], size: int, shard: str) -
         marker = json.loads(tail[header + BLOCK:header + BLOCK + info.size])
     except ValueError:
         marker = None
-    if not isinstance(marker, dict) or marker.get("format") != FORMAT:
+    if not isinstance(marker, dict) or marker.get("format") != END_MARKER_FORMAT:
         raise ShardError(shard, f"'{END_MARKER_NAME}' is not a valid end marker")
     if marker.get("bytes") != start + header:
         raise ShardError(shard, f"the end marker counts {marker.get('bytes')} bytes before it, the object "

@@ -20,9 +20,7 @@ from typing import Any
 from .config import DTYPES, ERROR_POLICIES, LAYOUTS, Settings
 from .errors import OptionsError
 from .spec import Pipeline, build_pipeline, parse_spec_text
-
-FIELDS = ("preset", "transforms", "dtype", "layout", "seed", "epoch", "on_error", "skip", "crop_decode",
-          "dct_scaling")
+from .wire import ETL_ARG_FIELDS
 
 
 @dataclass(frozen=True)
@@ -60,9 +58,9 @@ def parse_etl_args(raw: str | None, settings: Settings) -> TransformOptions:
 
 
 def options_from_mapping(args: dict[str, Any], settings: Settings) -> TransformOptions:
-    unknown = sorted(set(args) - set(FIELDS))
+    unknown = sorted(set(args) - set(ETL_ARG_FIELDS))
     if unknown:
-        raise OptionsError(unknown[0], f"unknown field; known fields are {', '.join(FIELDS)}")
+        raise OptionsError(unknown[0], f"unknown field; known fields are {', '.join(ETL_ARG_FIELDS)}")
     if "preset" in args and "transforms" in args:
         raise OptionsError("transforms", "give either 'preset' or 'transforms', not both")
 

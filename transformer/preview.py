@@ -236,7 +236,8 @@ def _transform(head: list[Sample], shard: Path, options: TransformOptions,
                settings: Settings) -> tuple[dict[str, Sample], dict]:
     """Run the head samples through the engine; (output samples by key, error manifest)."""
     from .engine import ERROR_MANIFEST_NAME, TransformPool, transform_shard
-    from .shards import END_OF_ARCHIVE, member_bytes, read_samples
+    from .shards import member_bytes, read_samples
+    from .wire import END_OF_ARCHIVE
 
     # Only the samples shown are transformed; per-sample seeds depend on (object name, key), not on
     # position, so the result equals that of transforming the whole shard.

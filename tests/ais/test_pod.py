@@ -20,7 +20,7 @@ import pytest
 
 from tests.contract.harness import Service, base_env, fqn_query, start_transformer
 from tests.shardgen import jpeg_bytes, make_tar, read_output
-from transformer.server.fqn import path_escape
+from transformer.wire import path_escape
 
 from .cluster import LocalCluster
 from .etl_objects import EtlObjectRelay

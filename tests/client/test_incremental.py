@@ -16,7 +16,7 @@ from tests.shardgen import make_tar, read_output, sealed
 from transformer.client import ClientError, EtlSettings, register, transform_bucket
 from transformer.client.incremental import PROBE_LIFETIME, PROBE_PREFIX, find_changes, sweep_probes
 from transformer.integrity import marker_from_tail
-from transformer.shards import END_OF_ARCHIVE
+from transformer.wire import END_OF_ARCHIVE
 
 from .conftest import labelled_shard
 from .fake_proxy import FakeProxy

@@ -17,7 +17,7 @@ from webdataset.tariterators import base_plus_ext
 from tests.shardgen import make_tar, npy_bytes, sealed
 from transformer.client import ErrorCounter, make_loader, shard_samples
 from transformer.client.reading import MalformedMember, split_key
-from transformer.shards import _plain_file, _ustar_header, plain_member
+from transformer.wire import plain_file, plain_member, ustar_header
 
 ARRAYS = {
     "u8": np.arange(3 * 5 * 7, dtype=np.uint8).reshape(3, 5, 7),
@@ -132,11 +132,11 @@ def test_the_inline_header_reads_as_tarfile_does() -> None:
                                     ("c" * 99, 8**11 - 1, 0o7777, 8**11 - 1)]:
         info = tarfile.TarInfo(name)
         info.size, info.mode, info.mtime = size, mode, mtime
-        block = _ustar_header(info)
-        assert plain_member(block) == (name, size) == (_plain_file(block, 0).name, _plain_file(block, 0).size)
+        block = ustar_header(info)
+        assert plain_member(block) == (name, size) == (plain_file(block, 0).name, plain_file(block, 0).size)
         assert tarfile.TarInfo.frombuf(block, "utf-8", "strict").size == size
         broken = block[:148] + b"0000000\0" + block[156:]  # a wrong checksum: tarfile's to refuse
-        assert plain_member(broken) is None and _plain_file(broken, 0) is None
+        assert plain_member(broken) is None and plain_file(broken, 0) is None
         gnu = block[:257] + tarfile.GNU_MAGIC + block[265:]
         assert plain_member(gnu) is None
         devices = block[:329] + b"0000001\0" + block[337:]  # device numbers: tarfile's

@@ -9,7 +9,6 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import pytest
 
 from transformer.client.urls import (
-    ETL_ARG_FIELDS,
     EpochUrls,
     ais_fqn,
     encode_etl_args,
@@ -20,13 +19,8 @@ from transformer.client.urls import (
     set_etl_args,
     shard_urls,
 )
-from transformer.options import FIELDS
 
 from .fake_proxy import FakeProxy
-
-
-def test_etl_arg_fields_match_the_service() -> None:
-    assert set(ETL_ARG_FIELDS) == set(FIELDS)
 
 
 def test_etl_args_refuses_what_the_service_would() -> None:

@@ -28,7 +28,7 @@ from transformer.client import (
     tarfile_to_whole_samples,
 )
 from transformer.client.dali import EtlBatchSource
-from transformer.integrity import END_MARKER_NAME
+from transformer.wire import END_MARKER_NAME
 
 from .conftest import SAMPLES, SMALL, labelled_shard
 from .fake_proxy import FakeProxy

@@ -18,7 +18,8 @@ from tests.contract.fake_ais import Fault
 from tests.contract.harness import Service, escaped_uname, fqn_query
 from tests.shardgen import make_tar, read_tar
 from transformer.errors import RequestError
-from transformer.server.fqn import object_uname, path_escape
+from transformer.server.fqn import object_uname
+from transformer.wire import path_escape
 
 from . import inputs
 from .conftest import AisDisk, HeadAwareTarget

@@ -18,8 +18,8 @@ import pytest
 
 from tests.shardgen import jpeg_bytes, make_tar, read_output
 from transformer.engine import ERROR_MANIFEST_NAME, ShardReport
-from transformer.integrity import END_MARKER_NAME
 from transformer.options import TransformOptions
+from transformer.wire import END_MARKER_NAME
 
 JPEG = jpeg_bytes(0, (96, 72))
 

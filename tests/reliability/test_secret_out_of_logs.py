@@ -26,7 +26,7 @@ from websockets.sync.client import connect
 from tests.contract.fake_ais import FakeStage, Fault, go_path_escape, unused_port
 from tests.contract.harness import Service, escaped_uname, fqn_query, start_transformer
 from tests.shardgen import make_tar
-from transformer.server.fqn import path_escape
+from transformer.wire import path_escape
 
 from . import inputs
 from .conftest import ETL_NAME, SECRET, AisDisk, HeadAwareTarget, service_env

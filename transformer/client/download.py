@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
 from .errors import IncompleteCopy
-from .registration import _comm, _registered_message, ais_errors, validate_name
+from .etlspec import comm_url, validate_name
+from .registration import ais_errors, registered_message
 from .urls import encode_etl_args, expand_template
 from .whole_copy import check_copy
 
@@ -93,10 +94,10 @@ def download(
     etl = client.etl(name)
     requests = etl._client  # the SDK's request client (see the module's docstring)
     with ais_errors(name, "download"):
-        registered = _registered_message(etl)
+        registered = registered_message(etl)
         if registered is None:
             raise ValueError(f"download: ETL '{name}' is not registered")
-        comm = _comm(registered.get("communication"))
+        comm = comm_url(registered.get("communication"))
         if comm != "hpush://":
             raise ValueError(f"download: ETL '{name}' communicates over {comm}; AIS serves downloads through "
                              "hpush:// ETLs only")

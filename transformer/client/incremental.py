@@ -35,10 +35,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ShardError
-from ..integrity import INPUT_CHECKSUM, marker_from_tail
-from ..shards import END_OF_ARCHIVE
+from ..integrity import marker_from_tail
+from ..wire import END_OF_ARCHIVE, INPUT_CHECKSUM
 from .errors import ClientError
-from .registration import ais_errors, validate_name
+from .etlspec import validate_name
+from .registration import ais_errors
 from .whole_copy import TAIL_READERS, destination_name, tail_marker
 
 if TYPE_CHECKING:

@@ -27,10 +27,12 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ..config import VARIABLES
+from ..wire import ETL_ARG_FIELDS
 from .errors import ClientError, IncompleteCopy
+from .etlspec import validate_name
 from .incremental import Changes, delete_objects, find_changes
-from .registration import _registered_message, ais_errors, validate_name
-from .urls import ETL_ARG_FIELDS, etl_args, expand_template
+from .registration import ais_errors, registered_message
+from .urls import etl_args, expand_template
 from .whole_copy import check_copy, destination_name
 
 if TYPE_CHECKING:
@@ -128,7 +130,7 @@ def _checked_options(client: Client, etl_name: str, options: Mapping[str, Any]) 
         raise ValueError("offline options: say which pipeline the copy is made with (preset or transforms)")
     etl_args(**dict(options))  # the same value checks as for etl_args
     with ais_errors(etl_name, "offline transform"):
-        message = _registered_message(client.etl(validate_name(etl_name)))
+        message = registered_message(client.etl(validate_name(etl_name)))
     if message is None:
         raise ClientError(f"ETL '{etl_name}' is not registered; register it with the copy's options as its settings")
     runtime = message.get("runtime")
@@ -350,7 +352,7 @@ def _started(snaps: Sequence[Any]) -> float | None:
 def registered_options(client: Client, etl_name: str) -> dict[str, Any]:
     """The ETL's settings as ``transform_bucket``'s ``options``: what it transforms offline jobs with."""
     with ais_errors(etl_name, "offline transform"):
-        message = _registered_message(client.etl(validate_name(etl_name)))
+        message = registered_message(client.etl(validate_name(etl_name)))
     if message is None:
         raise ClientError(f"ETL '{etl_name}' is not registered")
     runtime = message.get("runtime")
@@ -412,7 +414,7 @@ def _writes_end_marker(client: Client, first: dict, stage: str) -> bool:
     """Whether the pipeline's last ``stage`` is this transformer, which ends each shard with its end marker:
     registered with the service's settings (``register`` writes ``ETL_PRESET``) or the first stage's image."""
     with ais_errors(stage, "offline transform"):
-        message = _registered_message(client.etl(stage))
+        message = registered_message(client.etl(stage))
     if not message:
         return False
 

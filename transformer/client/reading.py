@@ -38,8 +38,9 @@ from webdataset.filters import pipelinefilter
 from webdataset.tariterators import base_plus_ext
 
 from ..errors import ShardError
-from ..integrity import END_MARKER_NAME, IncompleteShard, ShardCheck
-from ..shards import BLOCK, Member, _Chunks, _decompressed, _Headers, header_from, plain_member
+from ..integrity import IncompleteShard, ShardCheck
+from ..shards import Member, _Chunks, _decompressed, _Headers, header_from
+from ..wire import BLOCK, END_MARKER_NAME, plain_member
 from .errors import ShardFetchError, SharedMemoryError
 
 log = logging.getLogger("transformer.client")

@@ -1,17 +1,9 @@
-"""Register the transformer as an AIS ETL: one spec for the Python SDK and for ``ais etl init -f``.
+"""Register the transformer as an AIS ETL through the aistore SDK, and AIS's refusals as ``EtlRequestError``.
 
-``EtlSettings`` holds everything that defines the pod (image, communication type, timeouts, the
-service's ``ETL_*`` environment). ``register`` sends it through the aistore SDK and is idempotent;
-``runtime_spec_yaml`` renders the very same init message as YAML for CLI users, so both get the same
-pod. Wire format: AIS's ``ETLSpecMsg`` (ext/etl/api.go); SDK: aistore 2.0.0's ``Etl``.
-
-The object timeout rule (``obj_timeout_for``): AIS applies ``obj_timeout`` as the Go client timeout
-of the whole exchange, including reading the response body (Go's http.Client.Timeout), so a whole
-shard must be transformed *and* drained by the reader within it::
-
-    per_image   = max(seconds_per_image * concurrent_shards / workers,   # pod CPU, shared by shards
-                      1 / reader_images_per_second)                      # a slow training reader
-    obj_timeout = ceil(max(minimum, safety * images_per_shard * per_image))
+``register`` sends an ``EtlSettings``'s init message (``transformer.client.etlspec``) and is
+idempotent; ``unregister`` stops and deletes. ``ais_errors`` turns the SDK's ``AISError`` into
+``EtlRequestError`` with the cluster's own message, for every call the client makes to AIS (offline
+transforms, downloads and the incremental check use it too).
 """
 
 from __future__ import annotations
@@ -19,172 +11,19 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
-import re
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from decimal import Decimal
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-import yaml
-
-from ..config import DTYPES, ERROR_POLICIES, LAYOUTS, VARIABLES, parse_duration
-from ..errors import ConfigError
 from .errors import EtlNameError, EtlRequestError, EtlSpecMismatch
+from .etlspec import EtlSettings, spec_differences, validate_name
 
 if TYPE_CHECKING:
     from aistore.sdk import Client
     from aistore.sdk.etl import Etl
 
 log = logging.getLogger("transformer.client")
-
-COMM_TYPES = ("hpush", "hpull", "ws")
-# What the classic PIL + torchvision v1 pipeline costs per image on one core (ImageNet-sized JPEG ->
-# 224 float32 .npy); this service's path costs less, so a timeout derived from it errs long.
-# docs/performance.md gives the figures; measure yours with ``measure_seconds_per_image``.
-DEFAULT_SECONDS_PER_IMAGE = 0.004
-DEFAULT_OBJ_TIMEOUT_FLOOR = 45.0  # the SDK's default obj_timeout: never go below it
-_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-
-
-def validate_name(name: str) -> str:
-    """Check an ETL name as AIS (``cmn/k8s/util.go``) and the SDK do: 6-32 chars of ``[a-z0-9-]``."""
-    if not isinstance(name, str):
-        raise EtlNameError(repr(name), "is not a string")
-    if len(name) < 6:
-        raise EtlNameError(name, f"is too short ({len(name)} characters, AIS needs 6 to 32)")
-    if len(name) > 32:
-        raise EtlNameError(name, f"is too long ({len(name)} characters, AIS needs 6 to 32)")
-    if not _NAME.fullmatch(name):
-        raise EtlNameError(name, "may only contain lowercase letters, digits and '-', "
-                                 "and must start and end with a letter or digit")
-    return name
-
-
-def obj_timeout_for(
-    images_per_shard: int,
-    seconds_per_image: float = DEFAULT_SECONDS_PER_IMAGE,
-    workers: int = 1,
-    *,
-    concurrent_shards: int = 1,
-    reader_images_per_second: float | None = None,
-    safety: float = 4.0,
-    minimum: float = DEFAULT_OBJ_TIMEOUT_FLOOR,
-) -> str:
-    """The ETL ``obj_timeout`` (Go duration, whole seconds) for shards of ``images_per_shard``.
-
-    ``workers`` is the pod's transform threads (``ETL_WORKERS``, its CPU limit), shared by the
-    ``concurrent_shards`` a pod serves at once (about the number of loader workers reading through
-    that target). ``reader_images_per_second`` is the slowest rate one loader worker drains a shard
-    at; it matters for inline hpush/ws GETs, where the target streams the pod's body to the reader
-    under the same timeout. ``safety`` covers large images and CPU contention.
-    """
-    if images_per_shard < 1 or seconds_per_image <= 0 or workers < 1 or concurrent_shards < 1 or safety < 1:
-        raise ValueError("obj_timeout_for: images_per_shard, seconds_per_image, workers, concurrent_shards "
-                         "must be positive and safety at least 1")
-    per_image = seconds_per_image * concurrent_shards / workers
-    if reader_images_per_second is not None:
-        if reader_images_per_second <= 0:
-            raise ValueError("obj_timeout_for: reader_images_per_second must be positive")
-        per_image = max(per_image, 1.0 / reader_images_per_second)
-    return f"{math.ceil(max(minimum, safety * images_per_shard * per_image))}s"
-
-
-@dataclass(frozen=True)
-class EtlSettings:
-    """Everything that defines the transformer pod. ``obj_timeout=None`` derives it (``obj_timeout_for``)."""
-
-    image: str
-    comm_type: str = "hpush"
-    preset: str = "imagenet-train"
-    transforms: list[Any] | None = None
-    dtype: str = "float32"
-    layout: str = "CHW"
-    on_error: str = "skip"
-    seed: int | None = None
-    workers: int | None = None  # None: the pod uses the CPUs of its cgroup limit
-    images_per_shard: int = 1000
-    seconds_per_image: float = DEFAULT_SECONDS_PER_IMAGE
-    obj_timeout: str | None = None
-    init_timeout: str = "5m"
-    direct_put: bool = True  # the service honors Ais-Node-Url; ws:// requires it
-    command: Sequence[str] | None = None  # None: the image's entrypoint (``wds-transform serve``)
-    resources: Mapping[str, Any] | None = None  # K8s requests/limits; REST/CLI only in SDK 2.0.0
-    env: Mapping[str, str] = field(default_factory=dict)  # more pod environment (e.g. ETL_WINDOW)
-
-    def __post_init__(self) -> None:
-        if not self.image:
-            raise ValueError("EtlSettings: image is required")
-        if self.comm_type not in COMM_TYPES:
-            raise ValueError(f"EtlSettings: comm_type {self.comm_type!r} is not one of {', '.join(COMM_TYPES)}")
-        if self.comm_type == "ws" and not self.direct_put:
-            raise ValueError("EtlSettings: ws:// requires direct_put=True (AIS refuses it otherwise)")
-        for name, value, allowed in (("dtype", self.dtype, DTYPES), ("layout", self.layout, LAYOUTS),
-                                     ("on_error", self.on_error, ERROR_POLICIES)):
-            if value not in allowed:
-                raise ValueError(f"EtlSettings: {name} {value!r} is not one of {', '.join(allowed)}")
-        if self.workers is not None and self.workers < 1:
-            raise ValueError("EtlSettings: workers must be at least 1")
-        for name in ("obj_timeout", "init_timeout"):
-            value = getattr(self, name)
-            if value is not None:
-                try:
-                    parse_duration(value, name)
-                except ConfigError as exc:
-                    raise ValueError(f"EtlSettings: {exc.message}") from None
-        owned = {"ETL_PRESET", "ETL_TRANSFORMS", "ETL_DTYPE", "ETL_LAYOUT", "ETL_ON_ERROR", "ETL_SEED",
-                 "ETL_WORKERS", "ETL_OBJ_TIMEOUT"}
-        for name in self.env:
-            if name in owned:
-                raise ValueError(f"EtlSettings: set {name} through its own field, not env")
-            if name.startswith("ETL_") and name not in VARIABLES:
-                raise ValueError(f"EtlSettings: unknown service variable {name} (see transformer.config.VARIABLES)")
-
-    @property
-    def effective_obj_timeout(self) -> str:
-        if self.obj_timeout is not None:
-            return self.obj_timeout
-        return obj_timeout_for(self.images_per_shard, self.seconds_per_image, self.workers or 1)
-
-    def environment(self) -> dict[str, str]:
-        """The pod's environment: the service's defaults for this ETL, then ``env``."""
-        env = {"ETL_PRESET": self.preset}
-        if self.transforms is not None:
-            env["ETL_TRANSFORMS"] = json.dumps(self.transforms, separators=(",", ":"))
-        env.update(ETL_DTYPE=self.dtype, ETL_LAYOUT=self.layout, ETL_ON_ERROR=self.on_error)
-        if self.seed is not None:
-            env["ETL_SEED"] = str(self.seed)
-        if self.workers is not None:
-            env["ETL_WORKERS"] = str(self.workers)
-        # The service's own deadline per object equals AIS's, so it fails with a message first.
-        env["ETL_OBJ_TIMEOUT"] = self.effective_obj_timeout
-        env.update({name: str(value) for name, value in self.env.items()})
-        return env
-
-    def init_message(self, name: str) -> dict[str, Any]:
-        """The ``PUT /v1/etl`` body (``ETLSpecMsg``), field for field what SDK 2.0.0 ``Etl.init`` sends."""
-        runtime: dict[str, Any] = {"image": self.image}
-        if self.command is not None:
-            runtime["command"] = list(self.command)
-        runtime["env"] = [{"name": k, "value": v} for k, v in self.environment().items()]
-        message: dict[str, Any] = {
-            "name": validate_name(name),
-            "communication": f"{self.comm_type}://",
-            "init_timeout": self.init_timeout,
-            "obj_timeout": self.effective_obj_timeout,
-            "support_direct_put": self.direct_put,
-            "runtime": runtime,
-        }
-        if self.resources is not None:
-            message["resources"] = _plain(self.resources)
-        return message
-
-
-def runtime_spec_yaml(name: str, settings: EtlSettings) -> str:
-    """The runtime spec for ``ais etl init -f spec.yaml``: the same message ``register`` sends."""
-    header = "# AIS ETL runtime spec, rendered by transformer.client.runtime_spec_yaml\n"
-    return header + yaml.safe_dump(settings.init_message(name), sort_keys=False, default_flow_style=False)
 
 
 @dataclass(frozen=True)
@@ -219,7 +58,7 @@ def _register(client: Client, name: str, settings: EtlSettings, message: dict[st
     from aistore.sdk.errors import AISError
 
     etl = client.etl(name)
-    running = _registered_message(etl)
+    running = registered_message(etl)
     started = False
     if running is None and _stage(client, name) == "Aborted":
         # AIS answers GET /v1/etl/<name> with 404 while the ETL is Aborted (stopped, or a pod died):
@@ -228,13 +67,13 @@ def _register(client: Client, name: str, settings: EtlSettings, message: dict[st
         try:
             etl.start()
             started = True
-            running = _registered_message(etl) or {}
+            running = registered_message(etl) or {}
         except AISError as exc:  # its pods cannot run (a bad setting): nothing to keep, register anew
             log.warning("ETL %s is stopped and does not start again (%s); deleting it and registering anew",
                         name, _ais_message(exc.message)[0])
             etl.delete()
     if running is not None:
-        differences = _differences(running, message)
+        differences = spec_differences(running, message)
         if not differences:
             if not started and _stage(client, name) == "Aborted":
                 log.info("ETL %s is registered with this spec but stopped; starting it", name)
@@ -261,7 +100,7 @@ def unregister(client: Client, name: str, *, missing_ok: bool = True) -> bool:
     etl = client.etl(validate_name(name))
     with ais_errors(name, "unregistration"):
         # an Aborted ETL has no details (404) but is still registered: the stage list has it
-        if _registered_message(etl) is None and not _stage(client, name):
+        if registered_message(etl) is None and not _stage(client, name):
             if missing_ok:
                 return False
             raise EtlNameError(name, "is not a registered ETL")
@@ -317,7 +156,7 @@ def _init(etl: Etl, settings: EtlSettings, message: dict[str, Any]) -> str:
     return response.text
 
 
-def _registered_message(etl: Etl) -> dict[str, Any] | None:
+def registered_message(etl: Etl) -> dict[str, Any] | None:
     """The init message AIS holds for this ETL, whole, or ``None`` when it does not exist.
 
     ``GET /v1/etl/<name>`` (what ``Etl.view`` asks) returns the whole init message, but SDK 2.0.0's
@@ -345,110 +184,3 @@ def _stage(client: Client, name: str) -> str:
         if info.id == name:
             return info.stage
     return ""
-
-
-def _differences(running: dict[str, Any], wanted: dict[str, Any]) -> dict[str, tuple[object, object]]:
-    differences: dict[str, tuple[object, object]] = {}
-
-    def compare(field_name: str, old: object, new: object) -> None:
-        if old != new:
-            differences[field_name] = (old, new)
-
-    compare("communication", _comm(running.get("communication")), _comm(wanted["communication"]))
-    compare("obj_timeout", _seconds(running.get("obj_timeout")), _seconds(wanted["obj_timeout"]))
-    # AIS leaves support_direct_put out when false (Go omitempty).
-    compare("support_direct_put", bool(running.get("support_direct_put")), bool(wanted.get("support_direct_put")))
-    runtime = running.get("runtime")
-    runtime = runtime if isinstance(runtime, dict) else {"image": runtime}
-    wanted_runtime = wanted["runtime"]
-    compare("image", runtime.get("image"), wanted_runtime["image"])
-    compare("command", runtime.get("command") or None, wanted_runtime.get("command") or None)
-    old_env = {e["name"]: e["value"] for e in runtime.get("env") or []}
-    new_env = {e["name"]: e["value"] for e in wanted_runtime.get("env") or []}
-    for key in sorted(set(old_env) | set(new_env)):
-        compare(f"env {key}", old_env.get(key), new_env.get(key))
-    # AIS always reports resources ({} when none were asked for) and writes quantities its own way.
-    old_resources, new_resources = _resources(running.get("resources")), _resources(wanted.get("resources"))
-    for section in sorted(set(old_resources) | set(new_resources)):
-        old_section, new_section = old_resources.get(section, {}), new_resources.get(section, {})
-        if not isinstance(old_section, dict) or not isinstance(new_section, dict):
-            if old_section != new_section:
-                differences[f"resources {section}"] = (old_section, new_section)
-            continue
-        for key in sorted(set(old_section) | set(new_section)):
-            old, new = old_section.get(key), new_section.get(key)
-            if old is None or new is None or _quantity(old) != _quantity(new):
-                differences[f"resources {section}.{key}"] = (old, new)
-    return differences
-
-
-def _resources(value: object) -> dict[str, Any]:
-    """K8s resource requirements as a plain dict, without empty sections (``{}`` = none asked for)."""
-    plain = _plain(value) if isinstance(value, Mapping) else {}
-    return {section: values for section, values in plain.items() if values not in (None, {}, [])}
-
-
-_QUANTITY = re.compile(r"([+-]?(?:\d+\.?\d*|\.\d+))((?:[eE][+-]?\d+)|Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]?)")
-_SCALE = {"Ki": Decimal(2**10), "Mi": Decimal(2**20), "Gi": Decimal(2**30), "Ti": Decimal(2**40),
-          "Pi": Decimal(2**50), "Ei": Decimal(2**60), "n": Decimal("1e-9"), "u": Decimal("1e-6"),
-          "m": Decimal("1e-3"), "": Decimal(1), "k": Decimal("1e3"), "M": Decimal("1e6"), "G": Decimal("1e9"),
-          "T": Decimal("1e12"), "P": Decimal("1e15"), "E": Decimal("1e18")}
-
-
-def _quantity(value: object) -> object:
-    """A K8s quantity's value ('500m' and '0.5' are equal, so are '1Gi' and '1024Mi'); the text if unparsable."""
-    text = str(value).strip()
-    match = _QUANTITY.fullmatch(text)
-    if not match:
-        return text
-    number, suffix = match.groups()
-    scale = _SCALE[suffix] if suffix in _SCALE else Decimal(10) ** int(suffix[1:])
-    return Decimal(number) * scale
-
-
-def _comm(value: object) -> str:
-    text = str(value or "hpush://")  # AIS: empty means hpush://, and "://" is appended when missing
-    return text if "://" in text else text + "://"
-
-
-def _seconds(value: object) -> float | None:
-    # AIS reports durations as Go strings ("1m0s"); compare values, not spellings.
-    return None if value in (None, "") else parse_duration(str(value), "obj_timeout")
-
-
-def _plain(value: Any) -> Any:
-    """Mappings and sequences as plain dicts and lists (for JSON and YAML)."""
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-def measure_seconds_per_image(shard: str, etl_args: str = "", max_samples: int | None = None) -> float:
-    """Seconds per image of the service's own engine on one local shard, on one thread.
-
-    Feed the result to ``EtlSettings(seconds_per_image=...)``. Needs the ``server`` extra
-    (torchvision), imported only here.
-    """
-    import time
-
-    from ..config import Settings
-    from ..engine import ShardReport, TransformPool, transform_shard
-    from ..options import parse_etl_args
-
-    settings = Settings.from_env({})
-    options = parse_etl_args(etl_args, settings)
-    pool = TransformPool(workers=1, max_inflight=4)
-    report = ShardReport(shard, shard, options.on_error)
-    started = time.perf_counter()
-    try:
-        with open(shard, "rb") as stream:
-            for _ in transform_shard(stream, options, pool, shard=shard, object_name=shard, window=2, report=report):
-                if max_samples is not None and report.samples_in >= max_samples:
-                    break
-    finally:
-        pool.shutdown()
-    if report.images == 0:
-        raise ValueError(f"measure_seconds_per_image: shard {shard!r} has no transformable image")
-    return (time.perf_counter() - started) / report.images

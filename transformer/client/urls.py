@@ -14,18 +14,15 @@ import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from ..config import DTYPES, ERROR_POLICIES, LAYOUTS
+from ..wire import ETL_ARG_FIELDS, GLOBAL_NAMESPACE, OBJECT_FOLDER, path_escape
 
 if TYPE_CHECKING:
     from aistore.sdk import Client
 
-# The etl_args fields the service accepts (transformer.options.FIELDS; a test keeps them equal).
-ETL_ARG_FIELDS = ("preset", "transforms", "dtype", "layout", "seed", "epoch", "on_error", "skip", "crop_decode",
-                  "dct_scaling")
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
-GLOBAL_NAMESPACE = "@#"  # AIS uname of a bucket in the global namespace: <provider>/@#/<bucket>/<object>
 
 
 def etl_args(
@@ -99,7 +96,7 @@ def shard_urls(
     """
     from aistore.sdk.etl import ETLConfig
 
-    from .registration import validate_name
+    from .etlspec import validate_name
 
     given = [option for option in (prefix, template, names) if option is not None]
     if len(given) != 1:
@@ -189,11 +186,6 @@ class EpochUrls:
         return len(self.urls)
 
 
-def path_escape(text: str) -> str:
-    """Go's ``url.PathEscape``: one path segment, ``/ ; , ?`` escaped, ``$ & + : = @`` kept."""
-    return quote(text, safe="$&+:=@")
-
-
 def uname(bucket: str, object_name: str, provider: str = "ais") -> str:
     """The AIS uname of an object in the global namespace, e.g. ``ais/@#/bck/dir/a.tar``."""
     return f"{provider}/{GLOBAL_NAMESPACE}/{bucket}/{object_name}"
@@ -201,7 +193,7 @@ def uname(bucket: str, object_name: str, provider: str = "ais") -> str:
 
 def ais_fqn(mountpath: str, bucket: str, object_name: str, provider: str = "ais") -> str:
     """Where a target keeps an object on disk: ``<mountpath>/@<provider>/<bucket>/%ob/<object>``."""
-    return f"{mountpath.rstrip('/')}/@{provider}/{bucket}/%ob/{object_name}"
+    return f"{mountpath.rstrip('/')}/@{provider}/{bucket}/{OBJECT_FOLDER}/{object_name}"
 
 
 def pod_urls(

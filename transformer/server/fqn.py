@@ -10,9 +10,10 @@ port is reachable from the node network, so ``etl_fqn`` must not read arbitrary 
 from __future__ import annotations
 
 import os
-from urllib.parse import quote, unquote
+from urllib.parse import unquote
 
 from ..errors import RequestError
+from ..wire import GLOBAL_NAMESPACE, OBJECT_FOLDER
 
 
 def resolve_fqn(raw: str, roots: tuple[str, ...]) -> str:
@@ -23,7 +24,8 @@ def resolve_fqn(raw: str, roots: tuple[str, ...]) -> str:
     if roots and not any(real == root or real.startswith(root.rstrip("/") + "/") for root in roots):
         raise RequestError(f"etl_fqn {path!r} is outside the allowed roots (ETL_FQN_ROOTS)", status=403)
     segments = real.split("/")
-    if "%ob" not in segments or not any(s.startswith("@") and len(s) > 1 for s in segments[: segments.index("%ob")]):
+    if OBJECT_FOLDER not in segments or not any(s.startswith("@") and len(s) > 1
+                                                for s in segments[: segments.index(OBJECT_FOLDER)]):
         raise RequestError(
             f"etl_fqn {path!r} does not have the AIS layout <mountpath>/@<provider>/<bucket>/%ob/<object>", status=403
         )
@@ -40,10 +42,10 @@ def object_uname(real: str, object_name: str) -> str:
     shortens very long names on disk.
     """
     segments = real.split("/")
-    ob = segments.index("%ob")
+    ob = segments.index(OBJECT_FOLDER)
     if ob < 2:
         raise RequestError(f"etl_fqn {real!r} has no bucket before %ob", status=403)
-    bucket, provider_at, ns = segments[ob - 1], ob - 2, "@#"
+    bucket, provider_at, ns = segments[ob - 1], ob - 2, GLOBAL_NAMESPACE
     candidate = segments[ob - 2]
     if candidate.startswith("#") or (candidate.startswith("@") and "#" in candidate):
         ns = candidate if candidate.startswith("@") else "@" + candidate
@@ -52,11 +54,3 @@ def object_uname(real: str, object_name: str) -> str:
     if not provider.startswith("@") or len(provider) < 2:
         raise RequestError(f"etl_fqn {real!r} has no @<provider> segment before its bucket", status=403)
     return f"{provider[1:]}/{ns}/{bucket}/{object_name}"
-
-
-def path_escape(text: str) -> str:
-    """Go's ``url.PathEscape``, which AIS uses for the one-segment uname in its object URLs.
-
-    Hand-written (one line) because no Python library exposes Go's exact segment rule.
-    """
-    return quote(text, safe="$&+:=@")

@@ -313,7 +313,8 @@ def fqn_source(raw: str, settings: Settings, client: httpx.Client, deadline: flo
     The chunk check asks the target (``AIS_TARGET_URL``) with ``client``; ``uname`` is the object's uname
     when the request carries it exactly (hpull), otherwise it is derived from the FQN and ``object_name``.
     """
-    from .fqn import object_uname, path_escape, resolve_fqn
+    from ..wire import path_escape
+    from .fqn import object_uname, resolve_fqn
 
     path = resolve_fqn(raw, settings.fqn_roots)
     size = os.path.getsize(path)
