@@ -15,8 +15,8 @@ import torch
 from webdataset.tariterators import base_plus_ext
 
 from tests.shardgen import make_tar, npy_bytes, sealed
-from transformer.client import ErrorCounter, make_loader, shard_samples
-from transformer.client.reading import MalformedMember, split_key
+from transformer.client import ErrorCounter, make_loader
+from transformer.client.reading import MalformedMember, shard_samples, split_key
 from transformer.shards import _plain_file, _ustar_header, plain_member
 
 ARRAYS = {

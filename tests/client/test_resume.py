@@ -207,7 +207,7 @@ def test_the_prefetcher_saves_the_state_of_the_last_batch_it_handed_out(served_p
 
 
 def test_the_dali_source_resumes_with_the_same_arrays(served_proxy: FakeProxy) -> None:
-    from transformer.client import EtlBatchSource
+    from transformer.client.dali import EtlBatchSource
 
     urls = seeded_urls(served_proxy, shards=3)
 
