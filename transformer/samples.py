@@ -28,7 +28,7 @@ from .cropdecode import FULL, decode_window, window_of
 from .errors import SampleTransformError
 from .options import TransformOptions
 from .shards import Member, Sample
-from .spec import _check_canvas, _known_canvas, sample_seed
+from .spec import check_canvas, known_canvas, sample_seed
 
 # The pixel limit is ours (ETL_MAX_IMAGE_PIXELS, checked from the header before decoding); PIL's
 # own warning/error thresholds would otherwise fire first with a less useful message.
@@ -146,10 +146,10 @@ def _transform_cropped(sample: Sample, kinds: list[str], positions: list[int], i
     for index in range(pipeline.geometry):
         decision = pipeline.decide(index, flat, seed)
         transform = pipeline.transforms[index]
-        _check_canvas(transform, decision[1], flat[0], max_pixels)
+        check_canvas(transform, decision[1], flat[0], max_pixels)
         decisions.append(decision)
         if index + 1 < pipeline.geometry:  # the next step's stand-ins: the same types at this step's output size
-            canvas = _known_canvas(transform, *flat[0].shape[-2:])
+            canvas = known_canvas(transform, *flat[0].shape[-2:])
             flat = [x.as_subclass(torch.Tensor)[..., :1, :1].expand(*x.shape[:-2], *canvas).as_subclass(type(x))
                     for x in flat]
     window = window_of(pipeline.transforms[:pipeline.geometry], [d[1] for d in decisions], height, width)
@@ -183,7 +183,7 @@ def decode_paths() -> dict[tuple[str, str], int]:
 
 def _member_bytes(member: Member, shard: str, key: str) -> bytearray:
     pieces = member.pieces
-    # A large member arrives in its own bytearray (shards._Chunks): the decoder reads it in place.
+    # A large member arrives in its own bytearray (shards.Chunks): the decoder reads it in place.
     data = pieces[0] if len(pieces) == 1 and type(pieces[0]) is bytearray else bytearray(member.data)
     if not data:
         raise SampleTransformError(shard, key, member.info.name, "empty image member (0 bytes)")
