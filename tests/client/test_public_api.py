@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 from pathlib import Path
 
@@ -39,3 +40,17 @@ def test_the_package_exports_nothing_else_public() -> None:
     extra = {name for name, value in vars(client).items()
              if not name.startswith("_") and name not in client.__all__ and not isinstance(value, type(client))}
     assert not extra, extra
+
+
+def test_every_name_the_lower_level_section_lists_is_in_its_module() -> None:
+    """docs/client.md's "Lower-level modules": each `module` named there, then the names it holds."""
+    section = DOC.read_text().split("## Lower-level modules", 1)[1].split("\n## ", 1)[0]
+    module, checked = None, 0
+    for token in re.findall(r"`([^`]+)`", section):
+        name = token.removeprefix("transformer.client.")
+        if (Path(client.__file__).parent / f"{name}.py").exists():
+            module = importlib.import_module(f"transformer.client.{name}")
+        elif module is not None and name.isidentifier():
+            assert hasattr(module, name), f"{module.__name__} has no {name}"
+            checked += 1
+    assert checked >= 20
