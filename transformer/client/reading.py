@@ -37,8 +37,8 @@ import webdataset as wds
 from webdataset.filters import pipelinefilter
 from webdataset.tariterators import base_plus_ext
 
-from ..errors import ShardError
-from ..integrity import END_MARKER_NAME, IncompleteShard, ShardCheck
+from ..errors import IncompleteShard, ShardError
+from ..integrity import END_MARKER_NAME, ShardCheck
 from ..shards import BLOCK, Chunks, Member, TarHeaders, decompressed, header_from, plain_member
 from .errors import ShardFetchError, SharedMemoryError
 
