@@ -119,15 +119,15 @@ def one_copy_batches(paths: list[Path], batch_size: int) -> Iterator[tuple]:
     its row of a batch tensor (one copy, from the page cache), labels from ``.cls``. No end marker, no
     grouping by key, no error handling. Batch arrays are allocated and reused as make_loader's are: by
     numpy (``torch.empty`` would fault 4 KB pages: a float32 batch would cost about 4x more to fill),
-    and filled again once the consumer let go of them (the loader's ``_Recycler``), a new one while it
+    and filled again once the consumer let go of them (the loader's ``Recycler``), a new one while it
     holds them."""
     import numpy as np
     import torch
     from numpy.lib import format as npy
 
-    from transformer.client.batchmemory import _Recycler
+    from transformer.client.batchmemory import Recycler
 
-    recycler = _Recycler(keep=4)
+    recycler = Recycler(keep=4)
     headers: dict[bytes, tuple] = {}
     images = labels = None
     row = 0

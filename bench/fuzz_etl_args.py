@@ -1,7 +1,7 @@
 """atheris (libFuzzer) run over ``etl_args``, the spec and its use on a sample: ``python -m bench.fuzz_etl_args``.
 
 Any ``etl_args`` string must parse into options or raise ``OptionsError`` (a 400); options that parse
-must transform a small real image or raise ``SampleError`` (a per-sample outcome). Anything else is a
+must transform a small real image or raise ``SampleTransformError`` (a per-sample outcome). Anything else is a
 crash; ``-timeout`` catches hangs, ``-rss_limit_mb`` unbounded memory (a huge Resize/Pad from the
 arguments must be refused, not allocated). Example::
 
@@ -21,7 +21,7 @@ import atheris
 
 with atheris.instrument_imports(include=["transformer"]):
     from transformer.config import Settings
-    from transformer.errors import OptionsError, SampleError
+    from transformer.errors import OptionsError, SampleTransformError
     from transformer.options import parse_etl_args
     from transformer.samples import transform_sample
     from transformer.shards import read_samples
@@ -66,7 +66,7 @@ def test_one_input(data: bytes) -> None:
         options = parse_etl_args(raw, SETTINGS)
     except OptionsError:
         return
-    with contextlib.suppress(SampleError):  # a per-sample outcome, reported in the error manifest
+    with contextlib.suppress(SampleTransformError):  # a per-sample outcome, reported in the error manifest
         transform_sample(SAMPLE, options, "fuzz.tar", "fuzz.tar")
 
 

@@ -114,9 +114,9 @@ def mixing(batch_size: int, samples: int = 40_000, shard: int = 256) -> list[dic
     """How well each shuffle mixes in-order shards of ``shard`` samples, per batch (the first and last
     ten left out): distinct shards, the largest share of one shard, and how often two samples that
     follow each other in the stream land in one batch. ``make_loader`` (open batches filled at once,
-    its ``_Batcher``) against a buffer that picks samples at random (``SampleStream``'s, as
+    its ``Batcher``) against a buffer that picks samples at random (``SampleStream``'s, as
     webdataset's ``shuffle``), by the samples each holds at most."""
-    from transformer.client.batching import _Batcher
+    from transformer.client.batching import Batcher
     from transformer.client.stream import SampleStream, StreamSpec, generator_key
 
     class Shards:  # in-order shards of labelled samples, as SampleStream reads them
@@ -131,7 +131,7 @@ def mixing(batch_size: int, samples: int = 40_000, shard: int = 256) -> list[dic
         return [label for (label,) in SampleStream(spec, Shards(), lambda exc: False).tuples()]
 
     def scattered(count: int) -> list[int]:
-        batcher, order = _Batcher(batch_size, ("cls",), "partial", count, generator_key("mixing")), []
+        batcher, order = Batcher(batch_size, ("cls",), "partial", count, generator_key("mixing")), []
         for label in range(len(urls) * shard):
             batch = batcher.add((label,), None)
             order += [] if batch is None else batch[0].tolist()

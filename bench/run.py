@@ -331,7 +331,7 @@ def measure_memory(args, budget: Budget, results: dict, logs: Path, small, big,
 
 def measure_client(args, budget: Budget, results: dict, shards, service: services.Server) -> None:
     """Samples/s delivered to a training loop: client-side decoding vs reading the service's output."""
-    from transformer.client import pod_urls
+    from transformer.client.urls import pod_urls
 
     paths = [s.path for s in shards]
     for preset in args.presets:

@@ -443,7 +443,8 @@ class Soak:
     # -- readers --------------------------------------------------------------------------------------
 
     def _opener(self, read: Read, etl: str, patient: bool):
-        from transformer.client import ShardFetchError, open_shard
+        from transformer.client import ShardFetchError
+        from transformer.client.reading import open_shard
 
         def opener(url: str):
             deadline = time.monotonic() + self.options.patience
@@ -512,7 +513,8 @@ class Soak:
             self.failures.append(f"offline: {exc.__class__.__name__}: {exc}")
 
     def copy_once(self, number: int) -> OfflineCopy:
-        from transformer.client import shard_samples, transform_bucket
+        from transformer.client import transform_bucket
+        from transformer.client.reading import shard_samples
 
         destination = f"{self.options.prefix}-dst-{number}"
         copy = OfflineCopy(time.monotonic())

@@ -61,11 +61,11 @@ from transformer.client import (
     convert,
     etl_args,
     make_loader,
-    pod_urls,
     register,
     runtime_spec_yaml,
     shard_urls,
 )
+from transformer.client.urls import pod_urls
 
 
 def main() -> int:

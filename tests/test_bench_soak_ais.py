@@ -17,7 +17,8 @@ from bench.soak_report import build_report, load_report, main, markdown, write_r
 from bench.soak_watch import HealthProber, Probe, StageWatch
 from tests.httpserve import StaticServer
 from tests.shardgen import make_tar, sealed
-from transformer.client import ShardFetchError, shard_samples
+from transformer.client import ShardFetchError
+from transformer.client.reading import shard_samples
 
 
 def _shard(samples: int, start: int = 0) -> bytes:

@@ -1,6 +1,6 @@
-"""The canvas check's fast path (``spec._known_canvas``) predicts exactly what the probe measures.
+"""The canvas check's fast path (``spec.known_canvas``) predicts exactly what the probe measures.
 
-``spec._check_canvas`` refuses a step whose output would exceed the pixel limit. For the common steps
+``spec.check_canvas`` refuses a step whose output would exceed the pixel limit. For the common steps
 it reads the output size from the step's own size rule instead of running the step on a one-box
 ``BoundingBoxes`` (a few dozen small torch ops per step, measurable in the benchmark). Every step and
 argument form the fast path covers is compared here with the probe on awkward canvases, so a
@@ -67,18 +67,18 @@ def test_fast_path_matches_the_probe(transform: v2.Transform, canvas: tuple[int,
         with pytest.raises(Exception):  # noqa: B017 - whatever the step raises on the probe
             transform(image)
         return
-    assert spec._known_canvas(transform, *canvas) == expected
+    assert spec.known_canvas(transform, *canvas) == expected
 
 
 @pytest.mark.parametrize("transform", PROBED, ids=repr)
 def test_steps_that_can_grow_the_canvas_are_still_probed(transform: v2.Transform) -> None:
-    assert spec._known_canvas(transform, 375, 500) is None
+    assert spec.known_canvas(transform, 375, 500) is None
 
 
 def test_the_presets_take_the_fast_path_and_the_limit_still_holds() -> None:
     for preset in spec.PRESETS:
         for transform in spec.build_pipeline(preset).transforms:
-            assert spec._known_canvas(transform, 375, 500) is not None, (preset, transform)
+            assert spec.known_canvas(transform, 375, 500) is not None, (preset, transform)
     # Resize(256) of a 1 x 100000 strip asks for 25.6M x 256 pixels: refused from the size rule alone.
     strip = tv_tensors.Image(torch.zeros(3, 1, 100_000, dtype=torch.uint8))
     with pytest.raises(ValueError, match="ETL_MAX_IMAGE_PIXELS"):

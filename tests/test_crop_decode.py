@@ -17,7 +17,7 @@ from bench.accuracy import textured_jpeg
 from tests.shardgen import jpeg_bytes, photo, png_bytes, torchvision_decode, trimap_bytes
 from transformer import samples as samples_module
 from transformer.cropdecode import Window, window_of
-from transformer.errors import SampleError
+from transformer.errors import SampleTransformError
 from transformer.options import TransformOptions
 from transformer.samples import transform_sample
 from transformer.shards import Member, Sample
@@ -253,7 +253,7 @@ def test_every_fallback_decodes_whole_and_says_why(make_sample: MakeSample, make
 
         def transform(members=members, options=options) -> None:
             # mask_size: torchvision's own path refuses the mismatch, as with crop_decode off
-            with contextlib.suppress(SampleError):
+            with contextlib.suppress(SampleTransformError):
                 run(make_sample(members), options)
 
         counted = paths_during(transform)
@@ -279,7 +279,7 @@ def test_a_corrupt_jpeg_fails_on_its_member_or_decodes_either_way(make_sample: M
     for crop_decode in (True, False):
         try:
             out = run(make_sample([("k.jpg", cut)]), make_options(seed=1, crop_decode=crop_decode))
-        except SampleError as exc:
+        except SampleTransformError as exc:
             assert exc.member == "k.jpg"
         else:
             assert out["k.npy"].shape == (3, 224, 224)  # libjpeg's warning, not an error, either way

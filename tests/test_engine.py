@@ -18,7 +18,7 @@ from tests.shardgen import jpeg_bytes, make_tar, read_output, read_tar
 from transformer import engine
 from transformer.config import Settings
 from transformer.engine import ERROR_MANIFEST_NAME, ShardReport, TransformPool, transform_shard
-from transformer.errors import Cancelled, SampleError, ShardError, TransformerError
+from transformer.errors import Cancelled, SampleTransformError, ShardError, TransformerError
 from transformer.options import TransformOptions, options_from_mapping
 from transformer.wire import END_MARKER_FORMAT, END_MARKER_NAME
 
@@ -177,7 +177,7 @@ def test_passthrough_keeps_the_original_bytes_of_failed_samples(
 
 
 def test_fail_raises_the_sample_error(run_shard: RunShard, make_options: MakeOptions) -> None:
-    with pytest.raises(SampleError) as info:
+    with pytest.raises(SampleTransformError) as info:
         run_shard(make_tar(mixed_members(7, BAD)), make_options(on_error="fail"), shard="shard-9.tar")
     assert (info.value.shard, info.value.key, info.value.member) == ("shard-9.tar", "s-0001", "s-0001.jpg")
     assert info.value.status == 422
@@ -621,7 +621,7 @@ def test_relay_raises_a_fail_policy_error_met_by_a_transform_thread(pool: Transf
                                                                     make_options: MakeOptions) -> None:
     data = make_tar(mixed_members(30, bad={13: b"not a jpeg"}))
     stream = Stream()
-    with pytest.raises(SampleError, match="s-0013"):
+    with pytest.raises(SampleTransformError, match="s-0013"):
         relayed(pool, data, make_options(on_error="fail"), stream)
     assert not any(b"s-0013" in part for part in stream.parts)  # nothing of the failed sample went out
     assert all_slots_free(pool, 8)

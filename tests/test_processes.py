@@ -15,7 +15,7 @@ import pytest
 from tests.shardgen import imagenet_like_members, make_tar
 from transformer.config import Settings, processes_for
 from transformer.engine import ShardReport, TransformPool, transform_shard
-from transformer.errors import ConfigError, InternalError, SampleError, ShardError, UpstreamError
+from transformer.errors import ConfigError, InternalError, SampleTransformError, ShardError, UpstreamError
 from transformer.options import parse_etl_args
 from transformer.server.processes import RemoteShard, ShardProcesses, WorkerConfig
 
@@ -69,7 +69,7 @@ def test_seeded_output_is_the_threads_output_byte_for_byte(processes: ShardProce
 def test_a_sample_error_crosses_with_its_shard_key_and_member(processes: ShardProcesses) -> None:
     members = imagenet_like_members(3, extra=False)
     members[2] = ("sample-000001.jpg", b"not a jpeg")
-    with pytest.raises(SampleError) as caught:
+    with pytest.raises(SampleTransformError) as caught:
         b"".join(_remote(processes, io.BytesIO(make_tar(members)), '{"on_error": "fail"}'))
     error = caught.value
     assert (error.shard, error.key, error.member, error.status) == ("b/shard.tar", "sample-000001",

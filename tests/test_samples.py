@@ -20,7 +20,7 @@ from torchvision.transforms import v2
 from tests.shardgen import jpeg_bytes, photo, png_bytes, torchvision_decode, trimap_bytes
 from transformer import samples as samples_module
 from transformer.config import Settings
-from transformer.errors import SampleError
+from transformer.errors import SampleTransformError
 from transformer.options import TransformOptions, options_from_mapping
 from transformer.samples import transform_sample
 from transformer.shards import Member, Sample, member_bytes
@@ -172,7 +172,7 @@ def test_channel_count_mismatch_with_normalize_is_a_sample_error(
 ) -> None:
     normalize = {"Normalize": {"mean": IMAGENET_MEAN, "std": IMAGENET_STD}}
     options = make_options(transforms=[{"Grayscale": {"num_output_channels": 1}}, normalize])
-    with pytest.raises(SampleError) as info:
+    with pytest.raises(SampleTransformError) as info:
         run(make_sample([("k.jpg", jpeg_bytes(0, (64, 48)))]), options)
     assert info.value.member == "k.jpg" and "channels" in info.value.reason
 
@@ -361,7 +361,7 @@ def test_empty_and_corrupt_members_name_the_member(
     members = [("k.cls", b"1"), ("k.jpg", jpeg_bytes(0, (64, 48))), (name, data)]
     if name == "k.jpg":
         members = [("k.cls", b"1"), (name, data)]
-    with pytest.raises(SampleError) as info:
+    with pytest.raises(SampleTransformError) as info:
         run(make_sample(members), make_options(seed=0))
     error = info.value
     assert (error.shard, error.key, error.member) == ("shard.tar", "k", name)
@@ -382,7 +382,7 @@ def test_decompression_bomb_is_refused_from_the_header(
     monkeypatch.setattr(ImageFile.ImageFile, "load", must_not_decode)
     members = [(name, png_bomb()), ("k.cls", b"1")]
     started = time.monotonic()
-    with pytest.raises(SampleError) as info:
+    with pytest.raises(SampleTransformError) as info:
         run(make_sample(members), make_options(seed=0))
     assert time.monotonic() - started < 2.0
     assert info.value.member == name
@@ -405,7 +405,7 @@ def test_jpeg_bomb_is_refused_from_the_frame_header(
 
     monkeypatch.setattr(samples_module, "_decode_op", must_not_decode)
     monkeypatch.setattr(samples_module, "_decode_with_pil", must_not_decode)
-    with pytest.raises(SampleError) as info:
+    with pytest.raises(SampleTransformError) as info:
         run(make_sample([("k.jpg", jpeg_claiming(30000, 30000)), ("k.cls", b"1")]), make_options(seed=0))
     assert info.value.member == "k.jpg"
     assert "30000x30000" in info.value.reason and "ETL_MAX_IMAGE_PIXELS" in info.value.reason
@@ -434,7 +434,7 @@ def test_pixel_limit_is_the_setting(make_sample: MakeSample) -> None:
     settings = Settings.from_env({"ETL_MAX_IMAGE_PIXELS": "1500"})
     options = options_from_mapping({"preset": "resize-224"}, settings)
     run(make_sample([("k.jpg", jpeg_bytes(0, (50, 30)))]), options)  # 1500 pixels: at the limit, accepted
-    with pytest.raises(SampleError, match="1519 pixels"):
+    with pytest.raises(SampleTransformError, match="1519 pixels"):
         run(make_sample([("k.jpg", jpeg_bytes(0, (49, 31)))]), options)
 
 
@@ -451,14 +451,14 @@ def test_output_name_collision_is_a_sample_error(
 ) -> None:
     data = jpeg_bytes(0, (64, 48))
     sample = make_sample([(name, data if payload is None else payload) for name, payload in members])
-    with pytest.raises(SampleError) as info:
+    with pytest.raises(SampleTransformError) as info:
         run(sample, make_options(preset="resize-224"))
     assert info.value.member == colliding and "collides" in info.value.reason
 
 
 def test_transform_failure_names_the_first_image(make_sample: MakeSample, make_options: MakeOptions) -> None:
     options = make_options(transforms=[{"RandomCrop": {"size": 500}}])
-    with pytest.raises(SampleError) as info:
+    with pytest.raises(SampleTransformError) as info:
         run(make_sample([("k.cls", b"1"), ("k.jpg", jpeg_bytes(0, (120, 90)))]), options)
     assert info.value.member == "k.jpg" and "transform failed" in info.value.reason
 

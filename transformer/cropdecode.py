@@ -50,7 +50,7 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 from torchvision.transforms.v2.functional._geometry import _compute_resized_output_size
 
-from .spec import _native_uint8_bilinear, resize_uint8
+from .spec import native_uint8_bilinear, resize_uint8
 
 
 def _import_quietly():
@@ -174,7 +174,7 @@ def decode_window(data: bytearray, height: int, width: int, window: Window,
     size = (window.out_height, window.out_width)
     if tuple(crop.shape[-2:]) == size:
         return crop.clone(), WINDOW  # the crop is the output (the decoder's buffer is reused next time)
-    if _native_uint8_bilinear():
+    if native_uint8_bilinear():
         return resize_uint8(crop, size, True), WINDOW
     return F.resize_image(crop, list(size), antialias=True), WINDOW
 

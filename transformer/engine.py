@@ -27,7 +27,7 @@ from typing import BinaryIO
 import torch
 
 from . import __version__
-from .errors import Cancelled, SampleError, TransformerError
+from .errors import Cancelled, SampleTransformError, TransformerError
 from .integrity import InputDigest, ShardCheck, end_marker_payload
 from .options import TransformOptions, settings_digest
 from .samples import needs_transform, transform_sample
@@ -487,11 +487,11 @@ def _outcome(
 ) -> list[Member]:
     try:
         members = future.result()
-    except SampleError as exc:
+    except SampleTransformError as exc:
         error = exc
     except Exception as exc:  # not anticipated: still a per-sample failure, never a silent loss
         log.exception("unexpected error in shard %s sample %s", shard, sample.key)
-        error = SampleError(shard, sample.key, sample.members[0].info.name, f"internal error: {exc!r}")
+        error = SampleTransformError(shard, sample.key, sample.members[0].info.name, f"internal error: {exc!r}")
     else:
         report.images += sum(1 for m in members if m.info.name.endswith(".npy"))
         return members

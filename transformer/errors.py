@@ -38,7 +38,7 @@ class OptionsError(TransformerError):
         self.reason = reason
 
 
-class SampleError(TransformerError):
+class SampleTransformError(TransformerError):
     """One sample could not be transformed; the error policy decides what happens next."""
 
     status = 422
@@ -60,6 +60,18 @@ class ShardError(TransformerError):
         super().__init__(f"shard '{shard}': {reason}")
         self.shard = shard
         self.reason = reason
+
+
+class IncompleteShard(ShardError):
+    """A shard that lacks a valid end marker: cut short, or not written by this ETL.
+
+    ``samples`` is how many samples the reader had received from it; ``retryable`` is false where a
+    new read cannot help (it differed from the first one).
+    """
+
+    def __init__(self, shard: str, detail: str, samples: int, retryable: bool = True):
+        super().__init__(shard, f"incomplete, {samples} samples received: {detail}")
+        self.detail, self.samples, self.retryable = detail, samples, retryable
 
 
 class RequestError(TransformerError):

@@ -26,7 +26,7 @@ import tarfile
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
-from .errors import ShardError
+from .errors import IncompleteShard, ShardError
 from .shards import Member, Sample, readinto
 from .wire import BLOCK, END_MARKER_FORMAT, END_MARKER_KEY, END_MARKER_NAME, INPUT_CHECKSUM
 
@@ -92,17 +92,6 @@ class InputDigest:
         """What the marker records as ``input``: size, checksum type and value."""
         return {"size": self.size, "cksum_type": INPUT_CHECKSUM, "cksum": self._hash.hexdigest()}
 
-
-class IncompleteShard(ShardError):
-    """A shard that lacks a valid end marker: cut short, or not written by this ETL.
-
-    ``samples`` is how many samples the reader had received from it; ``retryable`` is false where a
-    new read cannot help (it differed from the first one).
-    """
-
-    def __init__(self, shard: str, detail: str, samples: int, retryable: bool = True):
-        super().__init__(shard, f"incomplete, {samples} samples received: {detail}")
-        self.detail, self.samples, self.retryable = detail, samples, retryable
 
 
 class ShardCheck:

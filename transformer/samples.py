@@ -25,10 +25,10 @@ from torchvision.io import ImageReadMode
 from torchvision.transforms.v2.functional import to_dtype
 
 from .cropdecode import FULL, decode_window, window_of
-from .errors import SampleError
+from .errors import SampleTransformError
 from .options import TransformOptions
 from .shards import Member, Sample
-from .spec import _check_canvas, _known_canvas, sample_seed
+from .spec import check_canvas, known_canvas, sample_seed
 
 # The pixel limit is ours (ETL_MAX_IMAGE_PIXELS, checked from the header before decoding); PIL's
 # own warning/error thresholds would otherwise fire first with a less useful message.
@@ -58,7 +58,7 @@ def needs_transform(sample: Sample, options: TransformOptions) -> bool:
 
 
 def transform_sample(sample: Sample, options: TransformOptions, shard: str, object_name: str) -> list[Member]:
-    """The sample's output members, in input order; raises ``SampleError`` naming the member."""
+    """The sample's output members, in input order; raises ``SampleTransformError`` naming the member."""
     kinds = [member_kind(ext, options) for ext in sample.extensions]
     out_names = set()
     positions = []
@@ -82,11 +82,11 @@ def transform_sample(sample: Sample, options: TransformOptions, shard: str, obje
         if outputs is None:
             inputs = [_decode(sample.members[p], kinds[p], options, shard, sample.key) for p in positions]
             outputs = options.pipeline.apply(_typed(inputs), seed, max_pixels)
-    except SampleError:
+    except SampleTransformError:
         raise
     except Exception as exc:  # a transform rejected this input (e.g. crop larger than the image)
         member = sample.members[positions[0]].info.name
-        raise SampleError(shard, sample.key, member, f"transform failed: {exc}") from exc
+        raise SampleTransformError(shard, sample.key, member, f"transform failed: {exc}") from exc
 
     result = list(sample.members)
     for position, tensor in zip(positions, outputs):
@@ -98,7 +98,8 @@ def transform_sample(sample: Sample, options: TransformOptions, shard: str, obje
             payload = _encode_image(tensor, options, shard, sample.key, source.name)
         name = source.name.rsplit(".", 1)[0] + ".npy"
         if name in out_names:
-            raise SampleError(shard, sample.key, source.name, f"output name '{name}' collides with another member")
+            raise SampleTransformError(shard, sample.key, source.name,
+                                       f"output name '{name}' collides with another member")
         out_names.add(name)
         result[position] = _npy_member(source, name, payload)
     return result
@@ -145,10 +146,10 @@ def _transform_cropped(sample: Sample, kinds: list[str], positions: list[int], i
     for index in range(pipeline.geometry):
         decision = pipeline.decide(index, flat, seed)
         transform = pipeline.transforms[index]
-        _check_canvas(transform, decision[1], flat[0], max_pixels)
+        check_canvas(transform, decision[1], flat[0], max_pixels)
         decisions.append(decision)
         if index + 1 < pipeline.geometry:  # the next step's stand-ins: the same types at this step's output size
-            canvas = _known_canvas(transform, *flat[0].shape[-2:])
+            canvas = known_canvas(transform, *flat[0].shape[-2:])
             flat = [x.as_subclass(torch.Tensor)[..., :1, :1].expand(*x.shape[:-2], *canvas).as_subclass(type(x))
                     for x in flat]
     window = window_of(pipeline.transforms[:pipeline.geometry], [d[1] for d in decisions], height, width)
@@ -182,10 +183,10 @@ def decode_paths() -> dict[tuple[str, str], int]:
 
 def _member_bytes(member: Member, shard: str, key: str) -> bytearray:
     pieces = member.pieces
-    # A large member arrives in its own bytearray (shards._Chunks): the decoder reads it in place.
+    # A large member arrives in its own bytearray (shards.Chunks): the decoder reads it in place.
     data = pieces[0] if len(pieces) == 1 and type(pieces[0]) is bytearray else bytearray(member.data)
     if not data:
-        raise SampleError(shard, key, member.info.name, "empty image member (0 bytes)")
+        raise SampleTransformError(shard, key, member.info.name, "empty image member (0 bytes)")
     return data
 
 
@@ -226,7 +227,7 @@ def _jpeg_header(data: bytes) -> tuple[int, int, str] | None:
 
 def _check_pixels(width: int, height: int, options: TransformOptions, shard: str, key: str, name: str) -> None:
     if width * height > options.max_image_pixels:
-        raise SampleError(
+        raise SampleTransformError(
             shard, key, name,
             f"image is {width}x{height} = {width * height} pixels, over the limit of "
             f"{options.max_image_pixels} (ETL_MAX_IMAGE_PIXELS)",
@@ -245,10 +246,10 @@ def _probe(data: bytes, kind: str, options: TransformOptions, shard: str, key: s
                 if array.ndim == 3:
                     array = array[..., 0]
                 return tv_tensors.Mask(torch.from_numpy(_mask_dtype(array)))
-    except SampleError:
+    except SampleTransformError:
         raise
     except Exception as exc:
-        raise SampleError(shard, key, name, f"not a decodable image: {_clean(exc)}") from None
+        raise SampleTransformError(shard, key, name, f"not a decodable image: {_clean(exc)}") from None
     return None
 
 
@@ -257,7 +258,7 @@ def _decode_with_pil(data: bytes, shard: str, key: str, name: str) -> torch.Tens
         with Image.open(io.BytesIO(data)) as image:
             array = np.asarray(image.convert("RGB"))
     except Exception as exc:
-        raise SampleError(shard, key, name, f"not a decodable image: {_clean(exc)}") from None
+        raise SampleTransformError(shard, key, name, f"not a decodable image: {_clean(exc)}") from None
     return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
 
 
@@ -285,7 +286,7 @@ def _encode_image(tensor: torch.Tensor, options: TransformOptions, shard: str, k
         return image.numpy()
     scale, shift = _affine(options.pipeline.normalize, channels, options.layout)
     if scale is None:
-        raise SampleError(
+        raise SampleTransformError(
             shard, key, name,
             f"image has {channels} channels but Normalize has {len(options.pipeline.normalize[0])} values",
         )

@@ -4,7 +4,7 @@ Headers are parsed by the standard library's ``tarfile`` (``TarInfo.fromtarfile`
 names, pax, base-256 numbers, checksums), a plain ustar one in one step (``transformer.wire``); the
 blocks around them are read here, sequentially and in large chunks, so the input can be a request
 body, a local file or an upstream HTTP stream and the reading costs a few Python calls per member
-instead of tarfile stream mode's dozens (see ``_Chunks``). Compressed shards (gzip, bzip2, xz) go
+instead of tarfile stream mode's dozens (see ``Chunks``). Compressed shards (gzip, bzip2, xz) go
 through the decompressors' file objects, read to their end so a checksum mismatch is an error
 (tarfile's stream mode never checks gzip's CRC, so a flipped bit in a stored block would pass
 silently). A member that is passed through keeps its raw header blocks, so it is written back byte
@@ -64,13 +64,13 @@ _TAR_ERRORS = (tarfile.TarError, EOFError, OSError, zlib.error, lzma.LZMAError, 
 def read_samples(stream: BinaryIO, shard: str, max_member_bytes: int) -> Iterator[Sample]:
     """Yield the shard's samples in order; ``ShardError`` if the stream is not a complete tar."""
     try:
-        stream, compressed = _decompressed(stream)
+        stream, compressed = decompressed(stream)
     except Cancelled:
         raise
     except _TAR_ERRORS as exc:
         raise ShardError(shard, f"not a tar archive ({_reason(exc)})") from None
-    chunks = _Chunks(stream)
-    headers = _Headers(chunks, max_member_bytes)
+    chunks = Chunks(stream)
+    headers = TarHeaders(chunks, max_member_bytes)
     current: Sample | None = None
     for info, raw in _members(headers, shard):
         if info.sparse is not None:
@@ -112,7 +112,7 @@ def read_samples(stream: BinaryIO, shard: str, max_member_bytes: int) -> Iterato
         yield current
 
 
-def _decompressed(stream: BinaryIO) -> tuple[BinaryIO, bool]:
+def decompressed(stream: BinaryIO) -> tuple[BinaryIO, bool]:
     """The tar stream inside ``stream``, and whether it was compressed (gzip, bzip2, xz: by magic bytes)."""
     head = b""
     while len(head) < 6:  # a streamed body may hand out fewer bytes than asked for
@@ -136,7 +136,7 @@ _COMPRESSED = (
 )
 
 
-def _check_compressed_end(chunks: _Chunks, shard: str) -> None:
+def _check_compressed_end(chunks: Chunks, shard: str) -> None:
     """Read past the end-of-archive marker to the compressed stream's end, where its checksum is verified."""
     try:
         chunks.drain()
@@ -183,7 +183,7 @@ def readinto(stream: BinaryIO, buffer) -> int:
     return len(data)
 
 
-class _Chunks:
+class Chunks:
     """Sequential reads from a stream fetched in chunks.
 
     tarfile's stream mode reads 10 KB at a time through three Python layers and copies each member
@@ -295,7 +295,7 @@ class _Chunks:
             pass
 
 
-class _Headers:
+class TarHeaders:
     """What ``TarInfo.fromtarfile`` reads a header through: tarfile parses, this only feeds it blocks.
 
     Parsing stays tarfile's (ustar, GNU long names, pax, base-256 numbers, checksums); the pax or GNU
@@ -304,7 +304,7 @@ class _Headers:
 
     encoding, errors = "utf-8", "surrogateescape"
 
-    def __init__(self, chunks: _Chunks, max_member_bytes: int):
+    def __init__(self, chunks: Chunks, max_member_bytes: int):
         self.chunks = chunks
         self.fileobj = self
         self.pax_headers: dict[str, str] = {}  # global pax headers ('g' members), applied by tarfile
@@ -324,7 +324,7 @@ class _Headers:
         return self.chunks.read(size)
 
 
-def _members(headers: _Headers, shard: str) -> Iterator[tuple[tarfile.TarInfo, bytes | None]]:
+def _members(headers: TarHeaders, shard: str) -> Iterator[tuple[tarfile.TarInfo, bytes | None]]:
     """Each member's header, and its raw header blocks when they can be written back unchanged.
 
     Only a zero block (the end-of-archive marker) ends the archive. tarfile's ``TarFile.next`` also
@@ -351,7 +351,7 @@ def _members(headers: _Headers, shard: str) -> Iterator[tuple[tarfile.TarInfo, b
         yield info, ((block if len(raw) == 1 else b"".join(raw)) if not headers.pax_headers else None)
 
 
-def header_from(headers: _Headers, shard: str, block: bytes, offset: int, raw: list | None = None
+def header_from(headers: TarHeaders, shard: str, block: bytes, offset: int, raw: list | None = None
                 ) -> tarfile.TarInfo | None:
     """The header starting with ``block`` (read at ``offset``), parsed by tarfile, which reads any
     extension blocks after it (appended to ``raw``); None for a zero block, the end of the archive."""

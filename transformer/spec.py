@@ -136,7 +136,7 @@ class Pipeline:
             if decision is not None:
                 needs, params = decision
                 if max_pixels is not None and flat:
-                    _check_canvas(transform, params, flat[0], max_pixels)
+                    check_canvas(transform, params, flat[0], max_pixels)
                 direct = _direct_step(transform, params, flat[0]) if len(flat) == 1 and needs[0] else None
                 if direct is not None:
                     flat = [direct]
@@ -146,7 +146,7 @@ class Pipeline:
 
 
 @functools.lru_cache(maxsize=1)
-def _native_uint8_bilinear() -> bool:
+def native_uint8_bilinear() -> bool:
     """Whether torchvision resizes uint8 images bilinearly as uint8 on this CPU (its own test, cached)."""
     return _do_native_uint8_resize_on_cpu(InterpolationMode.BILINEAR)
 
@@ -189,7 +189,7 @@ def _direct_step(transform: v2.Transform, params: dict[str, Any], image: Any) ->
         return None
     if transform.interpolation not in (InterpolationMode.BILINEAR, "bilinear") or min(image.shape) == 0:
         return None  # (v2 keeps the mode as given: the enum, its string, or a PIL integer)
-    if not _native_uint8_bilinear():
+    if not native_uint8_bilinear():
         return None  # without AVX2 (or on ppc64le, s390x), torchvision resizes in float32 and rounds
     return resize_uint8(image, size, antialias)
 
@@ -214,7 +214,7 @@ _SAME_CANVAS = (
 )
 
 
-def _known_canvas(transform: v2.Transform, height: int, width: int) -> tuple[int, int] | None:
+def known_canvas(transform: v2.Transform, height: int, width: int) -> tuple[int, int] | None:
     if isinstance(transform, _SAME_CANVAS) or (isinstance(transform, v2.RandomRotation) and not transform.expand):
         return height, width
     if isinstance(transform, (v2.RandomResizedCrop, v2.CenterCrop)):
@@ -225,10 +225,10 @@ def _known_canvas(transform: v2.Transform, height: int, width: int) -> tuple[int
     return None
 
 
-def _check_canvas(transform: v2.Transform, params: dict[str, Any], first: Any, max_pixels: int) -> None:
+def check_canvas(transform: v2.Transform, params: dict[str, Any], first: Any, max_pixels: int) -> None:
     """Predict the step's output size, from its size rule or on a one-box ``BoundingBoxes`` (no pixels)."""
     height, width = first.shape[-2:]
-    known = _known_canvas(transform, height, width)
+    known = known_canvas(transform, height, width)
     if known is not None:
         out_height, out_width = known
     else:

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.shardgen import jpeg_bytes, make_tar, trimap_bytes
-from transformer.client import ConvertError, ShuffleError, convert, shuffle_shards
+from transformer.client import ShuffleError, convert, shuffle_shards
+from transformer.client.errors import ConvertError
 from transformer.client.shuffle import dsort_framework
 
 from .fake_proxy import FakeProxy

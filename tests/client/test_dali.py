@@ -99,7 +99,7 @@ def test_batch_source_holds_the_states_of_its_last_batches(tmp_path: Path) -> No
 def build(urls: list[str], batch_size: int, **kwargs):
     import nvidia.dali.fn as fn
 
-    from transformer.client import read_etl_shards
+    from transformer.client.dali import read_etl_shards
 
     @dali.pipeline_def(batch_size=batch_size, num_threads=1, device_id=None)  # CPU-only mode: no GPU needed
     def pipeline():

@@ -17,7 +17,8 @@ import torch
 
 from tests.httpserve import QuietServer
 from tests.shardgen import npy_bytes, sealed
-from transformer.client import ClientError, ErrorCounter, ShardFetchError, make_loader, open_shard
+from transformer.client import ClientError, ErrorCounter, ShardFetchError, make_loader
+from transformer.client.reading import open_shard
 
 KEYS = ("npy", "cls", "__key__")
 

@@ -18,16 +18,14 @@ from transformer.client import (
     EtlSettings,
     IncompleteCopy,
     OfflineOptionsMismatch,
-    check_offline_options,
     download,
     etl_logs,
-    object_errors,
     register,
     shard_urls,
     transform_bucket,
-    wait_download,
-    wait_transform,
 )
+from transformer.client.download import wait_download
+from transformer.client.offline import check_offline_options, object_errors, wait_transform
 
 from .conftest import labelled_shard
 from .fake_proxy import FakeProxy

@@ -15,8 +15,8 @@ import torch
 from webdataset.tariterators import base_plus_ext
 
 from tests.shardgen import make_tar, npy_bytes, sealed
-from transformer.client import ErrorCounter, make_loader, shard_samples
-from transformer.client.reading import MalformedMember, split_key
+from transformer.client import ErrorCounter, make_loader
+from transformer.client.reading import MalformedMember, shard_samples, split_key
 from transformer.wire import plain_file, plain_member, ustar_header
 
 ARRAYS = {
@@ -156,12 +156,12 @@ def test_keys_split_as_webdataset_splits_them(name: str) -> None:
 
 
 def scattered(count: int, size: int, samples: int) -> tuple[list[list[int]], list]:
-    """Samples 0, 1, ... through a ``_Batcher`` of ``count`` open batches, each one's array read into
+    """Samples 0, 1, ... through a ``Batcher`` of ``count`` open batches, each one's array read into
     the row ``place`` gives (as the reader does): the batches' labels, and the batches."""
-    from transformer.client.batching import _Batcher
+    from transformer.client.batching import Batcher
     from transformer.client.stream import generator_key
 
-    batcher = _Batcher(size, ("npy", "cls"), "partial", count, generator_key("test"))
+    batcher = Batcher(size, ("npy", "cls"), "partial", count, generator_key("test"))
     batches = []
     for label in range(samples):
         fields = {"__key__": f"k{label}"}
@@ -192,9 +192,9 @@ def test_open_batches_shuffle_without_copying_and_end_whole() -> None:
 
 
 def test_a_batch_array_is_reused_only_once_nothing_refers_to_it() -> None:
-    from transformer.client.batchmemory import _Recycler
+    from transformer.client.batchmemory import Recycler
 
-    recycler = _Recycler(keep=2)
+    recycler = Recycler(keep=2)
     array = np.zeros((4, 3), np.float32)
     tensor = torch.from_numpy(array)
     row, part = array[1], tensor[:2]
@@ -219,22 +219,22 @@ def received(storage: torch.UntypedStorage) -> torch.UntypedStorage:
 def _send_one_batch(flags: torch.Tensor, queue, done) -> None:
     """A DataLoader worker's part, in a process of its own: a batch written into a shared-memory slot of
     its own, sent to the main process (torch sends the segment, not a copy), kept until told to stop."""
-    from transformer.client.batchmemory import _SharedSlots
+    from transformer.client.batchmemory import SharedSlots
 
-    slots = _SharedSlots(flags[1].numpy())
+    slots = SharedSlots(flags[1].numpy())
     slot, storage = slots.take(4 * 12)
     queue.put((torch.empty(0).set_(storage, 0, (4, 3)).fill_(7), slot))
     done.wait(60)
 
 
 def test_a_shared_slot_is_handed_back_only_once_nothing_refers_to_it() -> None:
-    """The main process's side of a worker's shared-memory batches (_Lent), with a batch from another
+    """The main process's side of a worker's shared-memory batches (Lent), with a batch from another
     process as a DataLoader's: its slot is free again (flag 0) only when no tensor, slice, view or numpy
     array over its storage is left in this process; a batch that arrived as a copy (pinned memory) frees
-    its slot at once. A worker's slots (_SharedSlots) take a free one again, the same segment."""
+    its slot at once. A worker's slots (SharedSlots) take a free one again, the same segment."""
     import multiprocessing
 
-    from transformer.client.batchmemory import _Lent, _SharedSlots
+    from transformer.client.batchmemory import Lent, SharedSlots
 
     flags = torch.zeros((2, 3), dtype=torch.int8).share_memory_()
     context = multiprocessing.get_context("fork")
@@ -244,7 +244,7 @@ def test_a_shared_slot_is_handed_back_only_once_nothing_refers_to_it() -> None:
     try:
         images, slot = queue.get(timeout=60)
         assert slot == 0 and flags[1, 0] == 1 and images.is_shared() and images.sum() == 84
-        lent = _Lent(flags)
+        lent = Lent(flags)
         lent.receive((images, torch.arange(4)), 1, ((0, 0),))
         still = [images[1], images[:2], images.numpy()]  # a row, a slice, a numpy view
         del images
@@ -261,11 +261,11 @@ def test_a_shared_slot_is_handed_back_only_once_nothing_refers_to_it() -> None:
     assert flags[1, 1] == 0
 
     flags.zero_()
-    slots = _SharedSlots(flags[1].numpy())
+    slots = SharedSlots(flags[1].numpy())
     first, storage = slots.take(4 * 12)
     assert first == 0 and flags[1, 0] == 1
     assert slots.take(4 * 12)[0] == 1  # slot 0 is held: another one
-    flags[1, 0] = 0  # handed back (_Lent)
+    flags[1, 0] = 0  # handed back (Lent)
     again, reused = slots.take(4 * 12)
     assert again == 0 and reused.data_ptr() == storage.data_ptr()  # the same segment, filled again
     assert slots.take(4 * 20)[0] == 2  # another size: the free slot gets a segment of its own
@@ -275,16 +275,16 @@ def test_a_shared_slot_is_handed_back_only_once_nothing_refers_to_it() -> None:
 @pytest.mark.parametrize("how", ["untyped_storage", "storage", "storage slice"])
 def test_a_shared_slot_whose_storage_object_is_kept_is_not_handed_back(how: str) -> None:
     """The storage object a consumer gets from ``untyped_storage()`` (or inside ``storage()``) is the very
-    object _Lent holds, so torch's count of references reads as if _Lent alone held it: the slot stays
+    object Lent holds, so torch's count of references reads as if Lent alone held it: the slot stays
     held until the consumer lets it go too."""
-    from transformer.client.batchmemory import _Lent, _SharedSlots
+    from transformer.client.batchmemory import Lent, SharedSlots
 
     flags = torch.zeros((1, 2), dtype=torch.int8).share_memory_()
-    slots = _SharedSlots(flags[0].numpy())
+    slots = SharedSlots(flags[0].numpy())
     slot, storage = slots.take(4 * 12)
     images = torch.empty(0).set_(received(storage), 0, (4, 3))
     del storage
-    lent = _Lent(flags)
+    lent = Lent(flags)
     lent.receive((images,), 0, ((0, slot),))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # storage(): TypedStorage is deprecated
@@ -339,13 +339,13 @@ def test_worker_batches_reuse_their_shared_memory(tmp_path: Path, monkeypatch: p
     from transformer.client import loader as loader_module
 
     seen: list[tuple[int, int]] = []
-    receive = loader_module._Lent.receive
+    receive = loader_module.Lent.receive
 
     def spy(self, batch, worker, slots):
         seen.extend((worker, slot) for _, slot in slots)
         return receive(self, batch, worker, slots)
 
-    monkeypatch.setattr(loader_module._Lent, "receive", spy)
+    monkeypatch.setattr(loader_module.Lent, "receive", spy)
     urls = labelled_shards(tmp_path, 4, 30)
     loader = make_loader(urls, 3, keys=("npy", "cls"), num_workers=2, shuffle_buffer=9, seed=1, pin_memory=False)
     labels_seen = []
@@ -369,13 +369,13 @@ def test_pinned_batches_hold_their_samples_and_hand_their_slots_back_at_once(
     from transformer.client import loader as loader_module
 
     held: list[int] = []
-    receive = loader_module._Lent.receive
+    receive = loader_module.Lent.receive
 
     def spy(self, batch, worker, slots):
         receive(self, batch, worker, slots)
         held.extend(int(self.flags[worker, slot]) for _, slot in slots)
 
-    monkeypatch.setattr(loader_module._Lent, "receive", spy)
+    monkeypatch.setattr(loader_module.Lent, "receive", spy)
     urls = labelled_shards(tmp_path, 4, 30)
     loader = make_loader(urls, 3, keys=("npy", "cls", "__key__"), num_workers=workers, shuffle_buffer=9, seed=1)
     kept = list(loader)  # every batch held: none may change while the workers go on
@@ -394,7 +394,7 @@ def test_without_torchs_private_storage_calls_workers_send_batches_through_torch
     torch's own copy of each batch (as before the slots), with nothing to hand back."""
     from transformer.client import loader as loader_module
 
-    monkeypatch.setattr(loader_module, "_SHARED_SLOTS", False)
+    monkeypatch.setattr(loader_module, "SHARED_SLOTS", False)
     urls = labelled_shards(tmp_path, 2, 12)
     loader = make_loader(urls, 4, keys=("npy", "cls"), num_workers=2, shuffle_buffer=8, seed=3)
     kept = list(loader)

@@ -6,16 +6,9 @@ import pytest
 import requests
 import yaml
 
-from transformer.client import (
-    EtlNameError,
-    EtlSettings,
-    EtlSpecMismatch,
-    obj_timeout_for,
-    register,
-    runtime_spec_yaml,
-    unregister,
-    validate_name,
-)
+from transformer.client import EtlSettings, EtlSpecMismatch, obj_timeout_for, register, runtime_spec_yaml, unregister
+from transformer.client.errors import EtlNameError
+from transformer.client.registration import validate_name
 
 from .fake_proxy import FakeProxy
 

@@ -207,7 +207,7 @@ def test_the_prefetcher_saves_the_state_of_the_last_batch_it_handed_out(served_p
 
 
 def test_the_dali_source_resumes_with_the_same_arrays(served_proxy: FakeProxy) -> None:
-    from transformer.client import EtlBatchSource
+    from transformer.client.dali import EtlBatchSource
 
     urls = seeded_urls(served_proxy, shards=3)
 
@@ -342,5 +342,5 @@ def test_after_the_last_batch_of_a_fixed_length_epoch_the_state_is_the_next_epoc
     state = first.state_dict()  # the generator has not seen the end yet: the count says it is over
     assert (state["epoch"], state["batches"], state["workers"]) == (1, 0, [])
     full = loader()
-    full.load_state_dict(first._state_of(first._progress))  # epoch 0, its count already at the length
+    full.load_state_dict(first.state_at(first._progress))  # epoch 0, its count already at the length
     assert list(full) == [] and full.epoch == 1

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from transformer.client import CudaPrefetcher, EpochUrls, EtlSettings, make_loader, pod_urls, register, shard_urls
-from transformer.client.urls import get_etl_args
+from transformer.client import CudaPrefetcher, EpochUrls, EtlSettings, make_loader, register, shard_urls
+from transformer.client.urls import get_etl_args, pod_urls
 
 from .conftest import SMALL, labelled_shard
 from .fake_proxy import FakeProxy

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transformer.client import ResumeError
+from transformer.client.errors import ResumeError
 from transformer.client.stream import SampleStream, ShardReader, StreamSpec, draw, generator_key
 from transformer.client.urls import get_etl_args, set_etl_args
 

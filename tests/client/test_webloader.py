@@ -7,7 +7,8 @@ import pytest
 import torch
 import webdataset as wds
 
-from transformer.client import ErrorCounter, EtlWebDataset, etl_dataset, web_loader
+from transformer.client import ErrorCounter, etl_dataset, web_loader
+from transformer.client.webloader import EtlWebDataset
 
 from .conftest import SAMPLES
 from .test_whole_shards import TARGET_ERROR, members_of

@@ -19,15 +19,9 @@ import pytest
 import webdataset as wds
 
 from tests.shardgen import make_tar, read_tar
-from transformer.client import (
-    ClientError,
-    ErrorCounter,
-    IncompleteShard,
-    make_loader,
-    shard_urls,
-    tarfile_to_whole_samples,
-)
+from transformer.client import ClientError, ErrorCounter, IncompleteShard, make_loader, shard_urls
 from transformer.client.dali import EtlBatchSource
+from transformer.client.reading import tarfile_to_whole_samples
 from transformer.wire import END_MARKER_NAME
 
 from .conftest import SAMPLES, SMALL, labelled_shard

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tests.shardgen import png_bytes
-from transformer.errors import SampleError
+from transformer.errors import SampleTransformError
 from transformer.options import TransformOptions
 from transformer.samples import transform_sample
 from transformer.shards import Sample
@@ -49,7 +49,7 @@ def test_oversized_canvas_is_a_sample_error_before_allocating(
 ) -> None:
     sample = make_sample([("k.png", image), ("k.cls", b"1")])
     before, started = peak_rss(), time.monotonic()
-    with pytest.raises(SampleError) as info:
+    with pytest.raises(SampleTransformError) as info:
         transform_sample(sample, make_options(**etl_args), "s.tar", "s.tar")
     assert (info.value.shard, info.value.key, info.value.member) == ("s.tar", "k", "k.png")
     assert expected in info.value.reason and "(ETL_MAX_IMAGE_PIXELS)" in info.value.reason

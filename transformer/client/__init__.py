@@ -14,106 +14,66 @@ webdataset way: ``web_loader``, ``etl_dataset``, a ``wds.WebLoader`` over whole 
 ``prefetch`` (CudaPrefetcher), ``convert`` (folder datasets -> shards in a bucket), ``shuffle``
 (dSort), ``offline`` (an ETL'd copy of a bucket, job errors, pod logs), ``download`` (links fetched
 and transformed by the pods, stored in a bucket), ``dali`` (external_source feeder).
+
+``__all__`` is what a training job uses (docs/client.md); each module's own names (the helpers
+under these, job records, the wire's encoders) are imported from that module.
 """
 
-from ..cli import measure_seconds_per_image
-from ..integrity import IncompleteShard
-from ..wire import path_escape
-from .convert import ConvertReport, convert
-from .dali import EtlBatchSource, read_etl_shards
-from .download import DownloadJob, download, wait_download
+from ..errors import IncompleteShard
+from .convert import convert
+from .download import download
 from .epoch import ErrorCounter
 from .errors import (
     ClientError,
-    ConvertError,
-    EtlNameError,
     EtlRequestError,
     EtlSpecMismatch,
     IncompleteCopy,
     LoaderStateError,
+    OfflineOptionsMismatch,
     SampleError,
     ShardFetchError,
     SharedMemoryError,
     ShuffleError,
 )
-from .etlspec import EtlSettings, obj_timeout_for, runtime_spec_yaml, validate_name
-from .incremental import Changes, find_changes
-from .loader import EtlLoader, make_loader
-from .offline import (
-    OfflineJob,
-    OfflineOptionsMismatch,
-    check_offline_options,
-    etl_logs,
-    object_errors,
-    transform_bucket,
-    wait_transform,
-)
-from .prefetch import CudaPrefetcher, PrefetchStats
-from .reading import open_shard, shard_samples, tarfile_to_whole_samples, whole_shard_samples
-from .registration import Registration, register, unregister
-from .shuffle import ShuffleResult, dsort_framework, shuffle_shards
-from .stream import ResumeError
-from .urls import EpochUrls, encode_etl_args, etl_args, pod_urls, set_etl_args, shard_urls
-from .webloader import EtlWebDataset, etl_dataset, web_loader
+from .etlspec import EtlSettings, obj_timeout_for, runtime_spec_yaml
+from .loader import make_loader
+from .offline import etl_logs, transform_bucket
+from .prefetch import CudaPrefetcher
+from .reading import whole_shard_samples
+from .registration import register, unregister
+from .shuffle import shuffle_shards
+from .urls import EpochUrls, etl_args, shard_urls
+from .webloader import etl_dataset, web_loader
 
 __all__ = [
-    "Changes",
     "ClientError",
-    "ConvertError",
-    "ConvertReport",
     "CudaPrefetcher",
-    "DownloadJob",
     "EpochUrls",
     "ErrorCounter",
-    "EtlBatchSource",
-    "EtlLoader",
-    "EtlNameError",
     "EtlRequestError",
     "EtlSettings",
     "EtlSpecMismatch",
-    "EtlWebDataset",
     "IncompleteCopy",
+    "IncompleteShard",
     "LoaderStateError",
-    "OfflineJob",
     "OfflineOptionsMismatch",
-    "PrefetchStats",
-    "Registration",
-    "ResumeError",
     "SampleError",
     "ShardFetchError",
     "SharedMemoryError",
     "ShuffleError",
-    "ShuffleResult",
-    "check_offline_options",
-    "download",
     "convert",
-    "dsort_framework",
-    "encode_etl_args",
+    "download",
     "etl_args",
     "etl_dataset",
     "etl_logs",
-    "find_changes",
     "make_loader",
-    "measure_seconds_per_image",
     "obj_timeout_for",
-    "object_errors",
-    "open_shard",
-    "IncompleteShard",
-    "shard_samples",
-    "tarfile_to_whole_samples",
-    "whole_shard_samples",
-    "path_escape",
-    "pod_urls",
-    "read_etl_shards",
     "register",
     "runtime_spec_yaml",
-    "set_etl_args",
     "shard_urls",
     "shuffle_shards",
     "transform_bucket",
     "unregister",
-    "validate_name",
-    "wait_download",
-    "wait_transform",
     "web_loader",
+    "whole_shard_samples",
 ]

@@ -1,7 +1,7 @@
 """Batching: each sample read straight into a row of a batch tensor, several batches open at once.
 
 ``_Batch`` is one batch being filled: its arrays' columns are batch tensors (``batchmemory``), the
-other columns are combined as webdataset combines them. ``_Batcher`` keeps several batches open and
+other columns are combined as webdataset combines them. ``Batcher`` keeps several batches open and
 sends each sample to one drawn at random: the loader's shuffle, without a second copy of a sample.
 """
 
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from webdataset.filters import combine_values
 
-from .batchmemory import _Recycler, _SharedSlots
+from .batchmemory import Recycler, SharedSlots
 from .errors import ClientError
 from .stream import draw
 
@@ -32,10 +32,10 @@ class _Batch:
     and a bool ``valid`` array appended to every batch).
     """
 
-    def __init__(self, size: int, keys: Sequence[str], last_batch: str, recycler: _Recycler | None = None):
+    def __init__(self, size: int, keys: Sequence[str], last_batch: str, recycler: Recycler | None = None):
         self.size = size
         self.last_batch = last_batch
-        self.recycler = recycler or _Recycler(0)
+        self.recycler = recycler or Recycler(0)
         self.width = len(keys)
         self.column: dict[str, int] = {}  # extension -> the column it may fill
         for index, key in enumerate(keys):
@@ -168,7 +168,7 @@ class _Batch:
             self.recycler.give(view, slot)
 
 
-class _Batcher:
+class Batcher:
     """Batches built while samples arrive, shuffled without copying: ``count`` batches are open at once
     and each sample joins one of them, drawn at random (counter-based draws, as the shuffle buffer's),
     its arrays read from the stream straight into their rows; a batch leaves once it is full. One open
@@ -187,9 +187,9 @@ class _Batcher:
     """
 
     def __init__(self, size: int, keys: Sequence[str], last_batch: str, count: int, key: bytes,
-                 slots: _SharedSlots | None = None):
+                 slots: SharedSlots | None = None):
         self.size = size
-        self.recycler = _Recycler(keep=(count + 4) * len(keys), slots=slots)  # the open batches' and a few more
+        self.recycler = Recycler(keep=(count + 4) * len(keys), slots=slots)  # the open batches' and a few more
         self.batches = [_Batch(size, keys, last_batch, self.recycler) for _ in range(count)]
         self.key = key
         self.draws = 0  # samples taken, each by a draw of its batch

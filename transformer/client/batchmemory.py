@@ -3,8 +3,8 @@
 A fresh batch is fresh memory, which the kernel zeroes page by page on its first write; a batch
 filled again costs none of that. In the training process (no DataLoader workers) a batch is a
 numpy array under a tensor, kept in a small pool and reused once nothing refers to it
-(``_Recycler``). A DataLoader worker writes its batches into segments of shared memory it keeps
-(``_SharedSlots``), which the training process hands back once nothing there uses them (``_Lent``).
+(``Recycler``). A DataLoader worker writes its batches into segments of shared memory it keeps
+(``SharedSlots``), which the training process hands back once nothing there uses them (``Lent``).
 Never is memory the consumer still holds filled again.
 """
 
@@ -20,7 +20,7 @@ import torch
 from .errors import SharedMemoryError
 
 
-class _Recycler:
+class Recycler:
     """The arrays of batches handed out, kept to be filled again once nothing else refers to them.
 
     A fresh batch array is fresh memory: Linux zeroes each page on its first write, and numpy's
@@ -29,10 +29,10 @@ class _Recycler:
     A batch's array is reused only when its reference count says the batch tensor, its slices and
     every numpy view of it are gone (the training step dropped the batch); one the consumer still
     holds is never touched, and a new one is allocated. In a DataLoader worker the batch tensors live
-    in shared memory instead (``_SharedSlots``).
+    in shared memory instead (``SharedSlots``).
     """
 
-    def __init__(self, keep: int, slots: _SharedSlots | None = None):
+    def __init__(self, keep: int, slots: SharedSlots | None = None):
         self.keep = keep
         self.arrays: list[np.ndarray] = []
         self.slots = slots
@@ -83,12 +83,12 @@ class _Recycler:
 
 # torch's own count of the references to a storage (its C++ holders included: tensors, views, numpy
 # arrays over it), and its allocation of a storage in shared memory (what torch.multiprocessing does to
-# send a tensor); both private, so workers use _SharedSlots only where both exist.
+# send a tensor); both private, so workers use SharedSlots only where both exist.
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
-_SHARED_SLOTS = _use_count is not None and hasattr(torch.UntypedStorage, "_new_shared")
+SHARED_SLOTS = _use_count is not None and hasattr(torch.UntypedStorage, "_new_shared")
 
 
-class _SharedSlots:
+class SharedSlots:
     """A DataLoader worker's batch tensors, in shared memory it keeps and fills again once the main
     process has let them go.
 
@@ -101,7 +101,7 @@ class _SharedSlots:
 
     ``flags`` is this worker's row of a shared array ``EtlLoader`` makes for each pass over the
     DataLoader: 1 while a slot's batch is being filled or is held by the main process, 0 once the main
-    process found nothing referring to it any more (``_Lent``). When every slot is held, a batch gets
+    process found nothing referring to it any more (``Lent``). When every slot is held, a batch gets
     a segment of its own that is not kept.
     """
 
@@ -178,8 +178,8 @@ def shm_message(nbytes: int, budget: ShmBudget | None, reason: str) -> str:
             f"shuffle_buffer or batch_size.")
 
 
-class _Lent:
-    """The main process's side of ``_SharedSlots``: the slots of the batches it received, each handed
+class Lent:
+    """The main process's side of ``SharedSlots``: the slots of the batches it received, each handed
     back (its flag set to 0) once nothing in this process refers to its storage: not the batch, not a
     slice, a view or a numpy array over it (torch's count of the storage's users reads 1: the storage
     object held here), nor the storage object itself, which ``untyped_storage()`` and ``storage()``

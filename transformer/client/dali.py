@@ -28,7 +28,7 @@ import numpy as np
 from .epoch import ErrorCounter, epoch_urls, shard_order, urls_digest
 from .errors import LoaderStateError
 from .loader import DEFAULT_KEYS
-from .resume import STATE_FORMAT, _count, check_fingerprint, check_state
+from .resume import STATE_FORMAT, check_fingerprint, check_state, state_count
 from .stream import SampleStream, ShardReader, StreamSpec, check_snapshot, generator_key, plain
 
 CYCLES = ("raise", "quiet")
@@ -174,7 +174,7 @@ class EtlBatchSource:
         for another configuration (URLs, seed, batch size, shuffle, padding, shard_id/num_shards) or format."""
         epoch = check_state(state, "EtlBatchSource")
         check_fingerprint(state, self._fingerprint(epoch))
-        batches = _count(state, "batches")
+        batches = state_count(state, "batches")
         stream = state.get("stream")
         if stream is not None:
             problem = check_snapshot(stream, state["config"]["shards"], self.initial_fill if self.random_shuffle else 0)

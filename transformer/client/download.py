@@ -148,17 +148,17 @@ def _objects(body: Mapping[str, Any]) -> dict[str, str]:
     (ext/dload: ``path.Base`` of a link, its query dropped and its escapes undone)."""
     kind = body["type"]
     if kind == "single":
-        return {_object_name(body["object_name"]): body["link"]}
+        return {_downloaded_name(body["object_name"]): body["link"]}
     if kind == "range":
         links = expand_template(body["template"])
     elif isinstance(body["objects"], Mapping):
-        return {_object_name(name): link for name, link in body["objects"].items()}
+        return {_downloaded_name(name): link for name, link in body["objects"].items()}
     else:
         links = body["objects"]
-    return {_object_name(posixpath.basename(link.rstrip("/"))): link for link in links}
+    return {_downloaded_name(posixpath.basename(link.rstrip("/"))): link for link in links}
 
 
-def _object_name(name: str) -> str:
+def _downloaded_name(name: str) -> str:
     """AIS's ``NormalizeObjName``: the path of ``name`` read as a URL (no query), unescaped (twice, as Go's
     ``url.PathUnescape`` of the already unescaped ``URL.Path``)."""
     path = urlsplit(name).path

@@ -60,6 +60,20 @@ class ShuffleError(ClientError):
     """A dSort shuffle job failed, was aborted or timed out."""
 
 
+class OfflineOptionsMismatch(ClientError):
+    """The registered ETL would make the offline copy with other options than the ones asked for."""
+
+    def __init__(self, name: str, differences: dict[str, tuple[object, object]]):
+        details = "; ".join(f"{key}: the ETL uses {got!r}, wanted {want!r}" for key, (got, want) in differences.items())
+        super().__init__(
+            f"ETL '{name}' cannot make this offline copy ({details}). AIS passes no etl_args to offline "
+            f"transforms: the pod uses the settings the ETL was registered with. Register an ETL for this copy "
+            f"with these options as its settings, e.g. register(client, '{name[:24]}-val', EtlSettings(image=..., "
+            f"preset=..., dtype=...)), and transform with that one")
+        self.name = name
+        self.differences = differences
+
+
 class IncompleteCopy(ClientError):
     """An offline job (a transform or a download) left objects it was asked for missing from its destination,
     or stored them cut, and recorded no error for them; raised whatever AIS says of the job.
@@ -149,3 +163,12 @@ class SharedMemoryError(ClientError, OSError):
 
 class LoaderStateError(ClientError, ValueError):
     """A saved loader state this loader cannot resume from: another configuration, or another format."""
+
+
+class ResumeError(ClientError):
+    """A shard read again on resume does not hold what the saved state says it held."""
+
+    def __init__(self, url: str, reason: str):
+        super().__init__(f"shard {url}: cannot resume exactly: {reason}")
+        self.url = url
+        self.reason = reason

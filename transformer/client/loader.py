@@ -24,11 +24,11 @@ from typing import Any
 import torch
 from webdataset.utils import pytorch_worker_info
 
-from .batching import _Batcher
-from .batchmemory import _SHARED_SLOTS, ShmBudget, _Lent, _SharedSlots
+from .batching import Batcher
+from .batchmemory import SHARED_SLOTS, Lent, SharedSlots, ShmBudget
 from .epoch import ErrorCounter, epoch_urls, shard_order
 from .errors import ClientError
-from .resume import _Config, _Position, _Snapshot, position_of, state_of
+from .resume import LoaderConfig, LoaderPosition, Snapshot, position_of, state_of
 from .stream import SampleStream, ShardReader, StreamSpec, generator_key, sample_tuples
 
 log = logging.getLogger("transformer.client")
@@ -38,15 +38,15 @@ DEFAULT_KEYS = ("npy;image.npy", "cls")
 
 
 class _Streams(torch.utils.data.IterableDataset):
-    """What the DataLoader iterates: in each worker, (batch, ``_Snapshot``) pairs of that worker's stream.
+    """What the DataLoader iterates: in each worker, (batch, ``Snapshot``) pairs of that worker's stream.
 
     ``epoch``, ``start`` (logical worker -> the state to continue from), ``first`` (the logical
     worker that physical worker 0 runs) and ``flags`` (the workers' shared-memory slots, one row per
-    logical worker: ``_SharedSlots``; None: no shared slots) are set before each DataLoader
+    logical worker: ``SharedSlots``; None: no shared slots) are set before each DataLoader
     iteration; the workers get a copy when they start.
     """
 
-    def __init__(self, config: _Config, errors: ErrorCounter, reader: ShardReader):
+    def __init__(self, config: LoaderConfig, errors: ErrorCounter, reader: ShardReader):
         super().__init__()
         self.config = config
         self.errors = errors
@@ -67,10 +67,10 @@ class _Streams(torch.utils.data.IterableDataset):
                                part=c.rank if split else 0, parts=c.world_size if split else 1)
             order = mine[worker::c.streams]
         key = (c.seed, self.epoch, c.rank, worker)  # every rank and worker shuffles its own way
-        # The stream does not shuffle: its samples go to open batches drawn at random (_Batcher).
+        # The stream does not shuffle: its samples go to open batches drawn at random (Batcher).
         return StreamSpec(urls, order, generator_key(*key, "shards"), generator_key(*key, "buffer"), 0, c.keys)
 
-    def __iter__(self) -> Iterator[tuple[tuple, _Snapshot]]:
+    def __iter__(self) -> Iterator[tuple[tuple, Snapshot]]:
         info = torch.utils.data.get_worker_info()
         physical, count = (info.id, info.num_workers) if info is not None else (0, 1)
         if count != self.config.streams:
@@ -79,9 +79,9 @@ class _Streams(torch.utils.data.IterableDataset):
         start = self.start.get(worker)
         spec = self.spec(worker)
         config = self.config
-        slots = (_SharedSlots(self.flags[worker].numpy(), self.budget)
+        slots = (SharedSlots(self.flags[worker].numpy(), self.budget)
                  if info is not None and self.flags is not None else None)
-        batcher = _Batcher(config.batch_size, config.keys, config.last_batch, config.open_batches, spec.buffer_key,
+        batcher = Batcher(config.batch_size, config.keys, config.last_batch, config.open_batches, spec.buffer_key,
                            slots)
         shuffles = len(batcher.batches) > 1
         stream = SampleStream(spec, self.reader, self.errors, start)
@@ -90,11 +90,11 @@ class _Streams(torch.utils.data.IterableDataset):
         made = start["batches"] if start else 0
         if start:  # the samples the open batches held are read again into their rows
             batcher.restore(start, _held_values(stream.restore(), config.keys, self.errors))
-        def after(batch: tuple) -> tuple[tuple, _Snapshot]:
+        def after(batch: tuple) -> tuple[tuple, Snapshot]:
             nonlocal made
             made += 1
             sent, batcher.recycler.sent = tuple(batcher.recycler.sent), []
-            return batch, _Snapshot(worker, {"worker": worker, "batches": made, **stream.snapshot(),
+            return batch, Snapshot(worker, {"worker": worker, "batches": made, **stream.snapshot(),
                                              **batcher.snapshot()}, sent)
 
         for values in stream.tuples():
@@ -136,11 +136,11 @@ class EtlLoader:
         self.batches_per_epoch = batches
         self.num_workers = num_workers
         self._next_epoch = epoch
-        self._progress: _Position | None = None  # the epoch being (or last) iterated
-        self._pending: _Position | None = None  # a loaded state, for the next iter()
+        self._progress: LoaderPosition | None = None  # the epoch being (or last) iterated
+        self._pending: LoaderPosition | None = None  # a loaded state, for the next iter()
 
     @property
-    def config(self) -> _Config:
+    def config(self) -> LoaderConfig:
         return self.streams.config
 
     @property
@@ -159,12 +159,12 @@ class EtlLoader:
 
     def __iter__(self) -> Iterator[tuple]:
         epoch = self._next_epoch
-        position, self._pending = self._pending or _Position(epoch), None
+        position, self._pending = self._pending or LoaderPosition(epoch), None
         self._next_epoch = epoch + 1
         self._progress = position
         return self._epoch(position)
 
-    def _epoch(self, position: _Position) -> Iterator[tuple]:
+    def _epoch(self, position: LoaderPosition) -> Iterator[tuple]:
         streams, total = self.streams, self.batches_per_epoch
         count = streams.config.streams
         start, first = dict(position.workers), position.next_worker
@@ -194,11 +194,11 @@ class EtlLoader:
             position.workers, position.next_worker = {}, 0
             start, first = {}, 0
 
-    def _lend(self) -> _Lent | None:
-        """New shared-memory slots for the workers about to start (``_SharedSlots``): fresh flags for
+    def _lend(self) -> Lent | None:
+        """New shared-memory slots for the workers about to start (``SharedSlots``): fresh flags for
         every DataLoader iteration, so a batch of an earlier one handed back late frees nothing of it."""
         streams = self.streams
-        if self.num_workers == 0 or not _SHARED_SLOTS:
+        if self.num_workers == 0 or not SHARED_SLOTS:
             streams.flags = None
             return None
         config = streams.config
@@ -206,7 +206,7 @@ class EtlLoader:
         per_worker = (config.open_batches + prefetch + 4) * len(config.keys)
         streams.flags = torch.zeros((config.streams, per_worker), dtype=torch.int8).share_memory_()
         streams.budget = ShmBudget(config.streams, prefetch, config.open_batches)
-        return _Lent(streams.flags)
+        return Lent(streams.flags)
 
     def __len__(self) -> int:
         if self.batches_per_epoch is None:
@@ -215,21 +215,22 @@ class EtlLoader:
 
     # ---- state --------------------------------------------------------------------------------------
 
-    def _position(self) -> _Position:
+    def _position(self) -> LoaderPosition:
         """Where the loader is now (a copy; cheap: the worker states are shared, never changed)."""
         if self._pending is not None:
             return self._pending.copy()
         progress, total = self._progress, self.batches_per_epoch
         if progress is None or progress.finished or (total is not None and progress.batches >= total):
-            return _Position(self._next_epoch)  # the epoch is over: the next one, from its start
+            return LoaderPosition(self._next_epoch)  # the epoch is over: the next one, from its start
         return progress.copy()
 
     def state_dict(self) -> dict[str, Any]:
         """The loader's state after the last batch it yielded, as plain JSON data: about 200 bytes per
         worker and 30 per sample in its shuffle buffer. Store it with the model; ``load_state_dict`` resumes."""
-        return self._state_of(self._position())
+        return self.state_at(self._position())
 
-    def _state_of(self, position: _Position) -> dict[str, Any]:
+    def state_at(self, position: LoaderPosition) -> dict[str, Any]:
+        """The state at ``position``, one this loader reported with a batch (what ``CudaPrefetcher`` saves)."""
         return state_of(position, self.config)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -308,7 +309,7 @@ def make_loader(
         if num_workers > mine:
             log.info("using %d loader workers, not %d: this rank reads %d shards", mine, num_workers, mine)
             num_workers = mine
-    config = _Config(urls=urls, keys=tuple(keys), batch_size=batch_size, last_batch=last_batch, seed=seed,
+    config = LoaderConfig(urls=urls, keys=tuple(keys), batch_size=batch_size, last_batch=last_batch, seed=seed,
                      shuffle_shards=shuffle_shards, shuffle_buffer=shuffle_buffer if shuffle_buffer > 1 else 0,
                      resampled=resampled, epoch_batches=epoch_batches, split_by_node=split_by_node, rank=rank,
                      world_size=world, streams=max(1, num_workers))

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import VARIABLES
 from ..wire import ETL_ARG_FIELDS
-from .errors import ClientError, IncompleteCopy
+from .errors import ClientError, IncompleteCopy, OfflineOptionsMismatch
 from .etlspec import validate_name
 from .incremental import Changes, delete_objects, find_changes
 from .registration import ais_errors, registered_message
@@ -46,19 +46,6 @@ _ENV = {"preset": "ETL_PRESET", "transforms": "ETL_TRANSFORMS", "dtype": "ETL_DT
         "seed": "ETL_SEED", "on_error": "ETL_ON_ERROR"}
 _DETERMINISTIC_PRESETS = ("imagenet-val",)
 
-
-class OfflineOptionsMismatch(ClientError):
-    """The registered ETL would make the offline copy with other options than the ones asked for."""
-
-    def __init__(self, name: str, differences: dict[str, tuple[object, object]]):
-        details = "; ".join(f"{key}: the ETL uses {got!r}, wanted {want!r}" for key, (got, want) in differences.items())
-        super().__init__(
-            f"ETL '{name}' cannot make this offline copy ({details}). AIS passes no etl_args to offline "
-            f"transforms: the pod uses the settings the ETL was registered with. Register an ETL for this copy "
-            f"with these options as its settings, e.g. register(client, '{name[:24]}-val', EtlSettings(image=..., "
-            f"preset=..., dtype=...)), and transform with that one")
-        self.name = name
-        self.differences = differences
 
 
 @dataclass(frozen=True)
@@ -274,7 +261,7 @@ def _incremental(client: Client, etl_name: str, source: str, destination: str, *
 def _prove_fresh(client: Client, job: OfflineJob, changes: Changes, prefix: str) -> None:
     """Raise ``IncompleteCopy`` for each stale object the job recorded no error for, yet whose copy is still not up
     to date (whole, but made from other bytes or settings: the job did not rewrite it)."""
-    failed = {_object_name(name) for name, _ in job.object_errors}
+    failed = {_errored_object(name) for name, _ in job.object_errors}
     after = find_changes(client, job.etl_name, job.source, job.destination, prefix=prefix, ext=job.ext)
     now = {name: kind for kind in ("new", "changed", "restyled") for name in getattr(after, kind)}
     now.update((name, f"cut ({why})") for name, why in after.cut)
@@ -377,7 +364,7 @@ def wait_transform(client: Client, job: OfflineJob, timeout: float = 3600) -> Of
     done = replace(job, finished=True, success=bool(result.success), error=result.error or None,
                    object_errors=errors)
     sources = {destination_name(name, job.ext): name for name in job.objects}
-    failed = {destination_name(_object_name(name), job.ext) for name, _ in errors}
+    failed = {destination_name(_errored_object(name), job.ext) for name, _ in errors}
     with ais_errors(job.etl_name, "offline copy check"):
         check = check_copy(client, job.destination, sources, failed, end_marker=job.end_marker)
     done = replace(done, verified=check.whole)
@@ -405,7 +392,7 @@ def _listed(client: Client, bucket: str, prefix: str) -> list[str]:
     return [entry.name for entry in client.bucket(bucket).list_objects_iter(prefix=prefix, props="name")]
 
 
-def _object_name(name: str) -> str:
+def _errored_object(name: str) -> str:
     """An object's name in the job's errors, which AIS gives as ``ais://<bucket>/<name>``."""
     return name.split("/", 3)[3] if name.startswith("ais://") and name.count("/") >= 3 else name
 

@@ -118,7 +118,7 @@ class CudaPrefetcher:
             raise TypeError(f"{type(self.loader).__name__} has no state_dict(); make_loader's loader has")
         if self._handed is None:
             return self.loader.state_dict()
-        return self.loader._state_of(self._handed)  # type: ignore[attr-defined]
+        return self.loader.state_at(self._handed)  # type: ignore[attr-defined]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Pass ``state`` on to the loader: the next ``iter()`` resumes there."""

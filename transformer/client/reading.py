@@ -37,9 +37,9 @@ import webdataset as wds
 from webdataset.filters import pipelinefilter
 from webdataset.tariterators import base_plus_ext
 
-from ..errors import ShardError
-from ..integrity import IncompleteShard, ShardCheck
-from ..shards import Member, _Chunks, _decompressed, _Headers, header_from
+from ..errors import IncompleteShard, ShardError
+from ..integrity import ShardCheck
+from ..shards import Chunks, Member, TarHeaders, decompressed, header_from
 from ..wire import BLOCK, END_MARKER_NAME, plain_member
 from .errors import ShardFetchError, SharedMemoryError
 
@@ -135,11 +135,11 @@ def shard_samples(stream: BinaryIO, url: str, *, require_marker: bool = True, ar
     group_key: str | None = None  # the key of the members being grouped (None: a member of its own)
     try:
         try:
-            stream, _ = _decompressed(stream)
+            stream, _ = decompressed(stream)
         except (tarfile.TarError, EOFError, OSError, ValueError, TypeError) as exc:
             raise ShardError(url, f"not a tar archive ({exc})") from None
-        chunks = _Chunks(stream)
-        headers = _Headers(chunks, _MAX_MEMBER_BYTES)
+        chunks = Chunks(stream)
+        headers = TarHeaders(chunks, _MAX_MEMBER_BYTES)
         while True:
             block = chunks.read(BLOCK)
             plain = plain_member(block) if not headers.pax_headers else None
@@ -215,14 +215,14 @@ def split_key(name: str) -> tuple[str, str] | tuple[None, None]:
     return base_plus_ext(name)
 
 
-def _payload(chunks: _Chunks, size: int, name: str, url: str) -> bytes | bytearray:
+def _payload(chunks: Chunks, size: int, name: str, url: str) -> bytes | bytearray:
     data = chunks.read_padded(size) if size else b""
     if len(data) != size:
         raise ShardError(url, f"truncated inside member '{name}'")
     return data
 
 
-def _read_exactly(chunks: _Chunks, size: int, name: str, url: str) -> bytes | bytearray:
+def _read_exactly(chunks: Chunks, size: int, name: str, url: str) -> bytes | bytearray:
     data = chunks.read(size) if size else b""
     if len(data) != size:
         raise ShardError(url, f"truncated inside member '{name}'")
@@ -257,7 +257,7 @@ def _npy_header(head: bytes) -> tuple | str:
     return shape, dtype, fortran, nbytes
 
 
-def _array(chunks: _Chunks, size: int, name: str, url: str, fields: dict, extension: str,
+def _array(chunks: Chunks, size: int, name: str, url: str, fields: dict, extension: str,
            place: Place | None) -> Any:
     """An ``.npy`` member read into an array in one copy; bytes when numpy's own ``np.load`` must decide
     (other versions, object arrays); a ``MalformedMember`` when its size is not what its header says."""

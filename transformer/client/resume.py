@@ -1,11 +1,11 @@
 """Resume state: where a loader is, as plain JSON data, and the checks a saved state must pass.
 
-Each batch a worker sends carries that worker's stream state right after it (``_Snapshot``: which
+Each batch a worker sends carries that worker's stream state right after it (``Snapshot``: which
 shard, how many of its samples, the open batches' samples by key, the draws made). The loader keeps
-the last one per worker and the number of batches yielded (``_Position``); ``state_dict()`` is that
+the last one per worker and the number of batches yielded (``LoaderPosition``); ``state_dict()`` is that
 (``state_of``), ``load_state_dict()`` starts the next ``iter()`` where it was (``position_of``). A
 state is refused, naming each difference, when the loader was made with another configuration
-(``_Config``: everything an epoch's batches depend on) or when this version does not read it. The
+(``LoaderConfig``: everything an epoch's batches depend on) or when this version does not read it. The
 DataLoader hands batches out round-robin over its workers, skipping the ones that are done, and
 restarts its cycle at worker 0: so after a batch of worker w, the resumed DataLoader's worker j runs
 the stream of worker (w + 1 + j) mod W.
@@ -24,7 +24,7 @@ from .stream import check_snapshot, plain
 STATE_FORMAT = "ais-wds-loader-state/2"
 
 
-class _Snapshot:
+class Snapshot:
     """A worker's stream state right after one of its batches, and the shared-memory slots of the
     batch's tensors as (column, slot); travels with the batch, untouched by the DataLoader's
     conversions (they do not look into objects of other types)."""
@@ -37,11 +37,11 @@ class _Snapshot:
         self.slots = slots
 
     def __reduce__(self):
-        return _Snapshot, (self.worker, self.state, self.slots)
+        return Snapshot, (self.worker, self.state, self.slots)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
+class LoaderConfig:
     """Everything the batches of an epoch depend on, except the epoch."""
 
     urls: Sequence[str] | Callable[[int], Sequence[str]]
@@ -60,7 +60,7 @@ class _Config:
 
     @property
     def open_batches(self) -> int:
-        """Batches filled at once (_Batcher): as many as hold ``shuffle_buffer`` samples, at least two to
+        """Batches filled at once (Batcher): as many as hold ``shuffle_buffer`` samples, at least two to
         shuffle at all; one without a shuffle buffer."""
         return 1 if self.shuffle_buffer <= 1 else max(2, -(-self.shuffle_buffer // self.batch_size))
 
@@ -75,7 +75,7 @@ class _Config:
 
 
 @dataclasses.dataclass
-class _Position:
+class LoaderPosition:
     """Where a loader is: in ``epoch``, after ``batches`` batches (in pass ``passes`` of a finite stream
     that ``epoch_batches`` restarts), the next one from logical worker ``next_worker``; ``workers``
     holds each worker's state after its last batch."""
@@ -87,11 +87,11 @@ class _Position:
     workers: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     finished: bool = False
 
-    def copy(self) -> _Position:
+    def copy(self) -> LoaderPosition:
         return dataclasses.replace(self, workers=dict(self.workers))
 
 
-def state_of(position: _Position, config: _Config) -> dict[str, Any]:
+def state_of(position: LoaderPosition, config: LoaderConfig) -> dict[str, Any]:
     """A loader's state at ``position``, as plain JSON data (``EtlLoader.state_dict``)."""
     return {
         "format": STATE_FORMAT,
@@ -105,12 +105,12 @@ def state_of(position: _Position, config: _Config) -> dict[str, Any]:
     }
 
 
-def position_of(state: Any, config: _Config) -> _Position:
+def position_of(state: Any, config: LoaderConfig) -> LoaderPosition:
     """Where a saved state of ``make_loader``'s resumes (``EtlLoader.load_state_dict``); ``LoaderStateError``,
     naming each difference, for a state of another configuration or one this version does not read."""
     epoch = check_state(state, "make_loader")
     check_fingerprint(state, config.fingerprint(epoch))
-    batches, passes, next_worker = (_count(state, name) for name in ("batches", "passes", "next_worker"))
+    batches, passes, next_worker = (state_count(state, name) for name in ("batches", "passes", "next_worker"))
     if next_worker >= config.streams:
         raise LoaderStateError(f"loader state: next_worker {next_worker} is not one of {config.streams} workers")
     workers: dict[int, dict[str, Any]] = {}
@@ -125,7 +125,7 @@ def position_of(state: Any, config: _Config) -> _Position:
         if problem:
             raise LoaderStateError(f"loader state: worker {worker}: {problem}")
         workers[worker] = plain(worker_state)
-    return _Position(epoch, batches, passes, next_worker, workers)
+    return LoaderPosition(epoch, batches, passes, next_worker, workers)
 
 
 def check_state(state: Any, kind: str) -> int:
@@ -142,7 +142,7 @@ def check_state(state: Any, kind: str) -> int:
                                f"{STATE_FORMAT!r}: start the epoch from its beginning (set_epoch) instead")
     if state.get("kind") != kind:
         raise LoaderStateError(f"a state of {state.get('kind')!r}, not of {kind!r}")
-    return _count(state, "epoch")
+    return state_count(state, "epoch")
 
 
 def check_fingerprint(state: dict[str, Any], mine: dict[str, Any]) -> None:
@@ -167,7 +167,7 @@ def check_fingerprint(state: dict[str, Any], mine: dict[str, Any]) -> None:
         raise LoaderStateError(f"refusing a loader state made with another configuration: {'; '.join(differences)}")
 
 
-def _count(state: dict[str, Any], name: str) -> int:
+def state_count(state: dict[str, Any], name: str) -> int:
     problem = _check_count(state, name)
     if problem:
         raise LoaderStateError(f"loader state: {problem}")
@@ -181,7 +181,7 @@ def _check_count(state: dict[str, Any], name: str) -> str | None:
     return None
 
 
-def _check_open(state: dict[str, Any], config: _Config) -> str | None:
+def _check_open(state: dict[str, Any], config: LoaderConfig) -> str | None:
     """What is wrong with a worker state's open batches (None: nothing)."""
     rows = state.get("open")
     if (not isinstance(rows, list) or len(rows) != config.open_batches

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 from webdataset import autodecode
 from webdataset.autodecode import Decoder
 
-from .errors import ClientError, SampleError, ShardFetchError
+from .errors import ResumeError, SampleError, ShardFetchError
 from .reading import MalformedMember, Place, open_shard, whole_shard_samples
 from .urls import is_etl_url, with_skip
 
@@ -49,14 +49,6 @@ log = logging.getLogger("transformer.client")
 Handler = Callable[[BaseException], bool]
 Entry = tuple[int, int, dict[str, Any]]  # URL index, position in the shard, the sample
 
-
-class ResumeError(ClientError):
-    """A shard read again on resume does not hold what the saved state says it held."""
-
-    def __init__(self, url: str, reason: str):
-        super().__init__(f"shard {url}: cannot resume exactly: {reason}")
-        self.url = url
-        self.reason = reason
 
 
 def generator_key(*parts: object) -> bytes:

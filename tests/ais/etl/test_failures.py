@@ -19,13 +19,12 @@ from transformer.client import (
     IncompleteShard,
     etl_logs,
     make_loader,
-    open_shard,
     register,
-    shard_samples,
     shard_urls,
     transform_bucket,
     unregister,
 )
+from transformer.client.reading import open_shard, shard_samples
 
 from .conftest import owner_of, settings
 from .test_register import stage, wait_stage

@@ -12,8 +12,8 @@ import pytest
 
 from tests.ais.etl_cluster import EtlCluster
 from tests.shardgen import read_output
-from transformer.client import IncompleteCopy, etl_logs, transform_bucket, wait_transform
-from transformer.client.offline import wait_job
+from transformer.client import IncompleteCopy, etl_logs, transform_bucket
+from transformer.client.offline import wait_job, wait_transform
 
 from .conftest import delivered, owner_of, put_shards
 
