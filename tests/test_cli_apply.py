@@ -16,8 +16,9 @@ import pytest
 from tests.shardgen import imagenet_like_shard, jpeg_bytes, make_tar, read_tar
 from transformer.cli import main
 from transformer.config import VARIABLES, Settings
-from transformer.engine import ERROR_MANIFEST_NAME, TransformPool, transform_shard
+from transformer.engine import ERROR_MANIFEST_NAME, transform_shard
 from transformer.options import parse_etl_args
+from transformer.pool import TransformPool
 
 
 @pytest.fixture(autouse=True)

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from .config import Settings, write_termination_log
-    from .redact import configure, install_logging, redact, uvicorn_log_config
+    from .redact import configure, install_logging, redact
 
     configure(os.environ.get("AIS_TARGET_URL", ""))  # before anything is written: the ETL secret stays out
     if _worker_processes_likely(os.environ):
@@ -98,6 +98,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from .server.logs import serve_log_config
     from .server.protocols import DirectSendProtocol, FragmentingWebSocketProtocol
 
     uvicorn.run(
@@ -109,10 +110,10 @@ def _serve(args: argparse.Namespace) -> int:
         # (AIS does not retry a PUT that failed with EOF; ext/etl/communicator.go).
         timeout_keep_alive=settings.keepalive,
         # uvicorn's httptools protocol, which also hands the connection's transport to shard responses
-        # so the shard's driver thread can write the output itself (server/output.py).
+        # so the shard's driver thread can write the output itself (server/direct.py).
         http=DirectSendProtocol,
         # uvicorn's websockets (sans-I/O) protocol, which can also send a reply frame by frame
-        # (server/output.py). AIS sends up to 16 GiB per message and a shard sent as content is one
+        # (server/wsreply.py). AIS sends up to 16 GiB per message and a shard sent as content is one
         # message, held in memory whole: the shard limit caps it (the 1 MiB floor keeps room for
         # control messages).
         ws=FragmentingWebSocketProtocol,
@@ -124,7 +125,8 @@ def _serve(args: argparse.Namespace) -> int:
         # uncompressed frames, so it also stays off with a compressing client.)
         ws_per_message_deflate=False,
         log_level=settings.log_level,
-        log_config=uvicorn_log_config(),  # uvicorn's own, with the ETL secret masked in each handler
+        # uvicorn's own, with the ETL secret masked in each handler, and the root logger in the pod's format
+        log_config=serve_log_config(settings.log_level),
         access_log=settings.log_level == "debug",
         timeout_graceful_shutdown=int(settings.obj_timeout),
     )
@@ -147,8 +149,9 @@ def _apply(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from .config import Settings
-    from .engine import ShardReport, TransformPool, transform_shard
+    from .engine import ShardReport, transform_shard
     from .options import parse_etl_args
+    from .pool import TransformPool
 
     settings = Settings.from_env()
     options = parse_etl_args(args.etl_args, settings)
