@@ -1,4 +1,4 @@
-"""Direct send (server/output.py): the shard's driver thread writes the body frames; the bytes are the same.
+"""Direct send (server/direct.py): the shard's driver thread writes the body frames; the bytes are the same.
 
 The default service writes each response's body, and each ws reply's frames between its first and its
 last, from the shard's driver thread once the first chunk went out through uvicorn; ``ETL_DIRECT_SEND=false``
