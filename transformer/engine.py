@@ -1,7 +1,7 @@
 """Ordered parallel map over a shard's samples: bounded windows, one shared pool, the error policy.
 
 ``transform_shard`` reads samples from a byte stream, submits the ones with images to the shared
-``TransformPool``, and yields the output tar in input order while at most ``window`` samples of this
+``TransformPool`` (pool.py), and yields the output tar in input order while at most ``window`` samples of this
 shard (and ``max_inflight`` across all shards) are in memory. Threads: decode, resize and the float
 math release the GIL, workers share the process's memory, and results need no serialization;
 per-sample RNG draws are made thread-safe in ``spec.Pipeline.apply``. On more cores than one GIL

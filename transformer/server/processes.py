@@ -1,4 +1,4 @@
-"""Transform worker processes: each shard's ``transform_shard`` runs in one, the server only relays bytes.
+"""Transform worker processes, the server's side: each shard runs in one, the server only relays its bytes.
 
 Why: a transform thread holds the GIL about a quarter of its time (the per-sample Python around the
 decode, the v2 pipeline's bookkeeping, tar headers), so the threads of one process stop scaling near
@@ -13,7 +13,8 @@ descriptors over the worker's SEQPACKET control socket: its input (the object's 
 FQN, else a pipe a feeder thread fills) and a stream socket on which the worker sends the output as
 frames, then the shard's report (or its error). The worker runs the same ``transform_shard`` the
 server runs in-process, so the bytes are the same. A worker that dies fails the shards it held,
-each with an error that names it, and the supervisor starts a new one.
+each with an error that names it, and the supervisor starts a new one. The worker's side is
+``worker.py``.
 """
 
 from __future__ import annotations

@@ -51,6 +51,8 @@ class WorkerConfig:
 
 @dataclass(frozen=True)
 class WorkerJob:
+    """One shard for a worker, sent with its two descriptors (input, output socket)."""
+
     shard: str
     object_name: str
     options: TransformOptions
