@@ -91,8 +91,9 @@ def etl_shards(folder: Path, sources: list[Path], preset: str, dtype: str) -> li
     """The service's output for ``sources`` (``transform_shard``, as the pod writes it: ``.npy``, the
     pass-through members, the end marker), written once into ``folder``."""
     from transformer.config import Settings
-    from transformer.engine import TransformPool, transform_shard
+    from transformer.engine import transform_shard
     from transformer.options import options_from_mapping
+    from transformer.pool import TransformPool
 
     folder.mkdir(parents=True, exist_ok=True)
     targets = [folder / source.name for source in sources]

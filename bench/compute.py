@@ -145,7 +145,8 @@ def engine_limit(path: Path, preset: str, dtype: str, workers: int, settings: Se
     tar parsing and writing and the ordered window on top of the compute limit. Pool and window sizes
     are the service's defaults for ``workers``.
     """
-    from transformer.engine import ShardReport, TransformPool, transform_shard
+    from transformer.engine import ShardReport, transform_shard
+    from transformer.pool import TransformPool
 
     options = options_from_mapping({"preset": preset, "dtype": dtype, "seed": 0}, settings)
     pool = TransformPool(workers, 4 * workers + 4)

@@ -18,8 +18,9 @@ import pytest  # noqa: E402
 
 if TYPE_CHECKING:
     from transformer.config import Settings
-    from transformer.engine import ShardReport, TransformPool
+    from transformer.engine import ShardReport
     from transformer.options import TransformOptions
+    from transformer.pool import TransformPool
     from transformer.shards import Sample
 
 
@@ -100,7 +101,7 @@ def make_sample() -> Callable[[list[tuple[str, bytes]]], Sample]:
 
 @pytest.fixture
 def pool() -> Iterator[TransformPool]:
-    from transformer.engine import TransformPool
+    from transformer.pool import TransformPool
 
     pool = TransformPool(workers=2, max_inflight=8)
     yield pool

@@ -16,8 +16,9 @@ import pytest
 from tests.shardgen import imagenet_like_shard, jpeg_bytes, make_tar, read_tar
 from transformer.cli import main
 from transformer.config import VARIABLES, Settings
-from transformer.engine import ERROR_MANIFEST_NAME, TransformPool, transform_shard
+from transformer.engine import ERROR_MANIFEST_NAME, transform_shard
 from transformer.options import parse_etl_args
+from transformer.pool import TransformPool
 
 
 @pytest.fixture(autouse=True)
@@ -151,3 +152,17 @@ def test_console_script_end_to_end(tmp_path: Path) -> None:
                      "sample-000001.npy", "sample-000001.cls", "sample-000001.json"]
     array = np.load(io.BytesIO(read_tar(target.read_bytes())[0][1]), allow_pickle=False)
     assert array.shape == (3, 224, 224) and array.dtype == np.float16
+
+
+def test_measure_seconds_per_image_times_the_engine_and_refuses_a_shard_without_images(tmp_path: Path) -> None:
+    from transformer.apply import measure_seconds_per_image
+
+    source = tmp_path / "in.tar"
+    source.write_bytes(small_shard(4))
+    seconds = measure_seconds_per_image(str(source), '{"preset": "imagenet-val"}')
+    assert 0 < seconds < 5
+    assert 0 < measure_seconds_per_image(str(source), max_samples=1) < 5
+    empty = tmp_path / "labels.tar"
+    empty.write_bytes(make_tar([("s0.cls", b"1")]))
+    with pytest.raises(ValueError, match="no transformable image"):
+        measure_seconds_per_image(str(empty))

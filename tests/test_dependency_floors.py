@@ -64,7 +64,7 @@ HOW_TO_FIX = (
     "read the source), then run this test again: it installs exactly the declared floors."
 )
 
-IN_MEMORY = ("tests/test_wsstream.py", "tests/test_direct.py")
+IN_MEMORY = ("tests/server/test_protocols.py", "tests/server/test_direct.py")
 
 # Run first by every python started on the floors: are the floors what it imports? Then the given code.
 _CHECK_FLOORS = r"""
@@ -287,13 +287,13 @@ def test_metrics_at_the_floors(served: tuple[Service, dict]) -> None:
 
 
 def test_protocol_subclasses_in_memory_at_the_floors(at_floors: tuple[dict, dict]) -> None:
-    """The in-memory tests of what server/protocols.py and output.py take from uvicorn and websockets."""
+    """The in-memory tests of what server/protocols.py, direct.py and wsreply.py take from uvicorn and websockets."""
     env, pins = at_floors
     command = [sys.executable, "-c", _PYTEST, "-q", "-p", "no:cacheprovider", *IN_MEMORY]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     if done.returncode:
         protocols = ", ".join(f"{name}=={pins[name]}" for name in ("uvicorn", "websockets"))
         pytest.fail(f"{' '.join(IN_MEMORY)} fail on the declared floors {_shown(pins)}. These tests check what "
-                    f"server/protocols.py and output.py take from uvicorn's protocols and websockets, so most "
-                    f"likely one of {protocols} is a floor too low for the code. {HOW_TO_FIX}\n"
+                    f"server/protocols.py, direct.py and wsreply.py take from uvicorn's protocols and websockets, so "
+                    f"most likely one of {protocols} is a floor too low for the code. {HOW_TO_FIX}\n"
                     f"{done.stdout[-4000:]}{done.stderr[-2000:]}", pytrace=False)

@@ -27,8 +27,9 @@ class Ranges:
 def shard() -> bytes:
     """A shard as the pod writes it (the engine's own output), a few samples of real photos."""
     from transformer.config import Settings
-    from transformer.engine import ShardReport, TransformPool, transform_shard
+    from transformer.engine import ShardReport, transform_shard
     from transformer.options import options_from_mapping
+    from transformer.pool import TransformPool
 
     members = []
     for i in range(3):

@@ -10,16 +10,19 @@ import tarfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import CancelledError
 
 import pytest
 import webdataset as wds
 
 from tests.shardgen import jpeg_bytes, make_tar, read_output, read_tar
 from transformer import engine
+from transformer import pool as pool_module
 from transformer.config import Settings
-from transformer.engine import ERROR_MANIFEST_NAME, ShardReport, TransformPool, transform_shard
+from transformer.engine import ERROR_MANIFEST_NAME, ShardReport, transform_shard
 from transformer.errors import Cancelled, SampleTransformError, ShardError, TransformerError
 from transformer.options import TransformOptions, options_from_mapping
+from transformer.pool import TransformPool
 from transformer.wire import END_MARKER_FORMAT, END_MARKER_NAME
 
 RunShard = Callable[..., tuple[bytes, ShardReport]]
@@ -371,7 +374,7 @@ def test_max_inflight_bounds_two_concurrent_shards(monkeypatch: pytest.MonkeyPat
             with lock:
                 outstanding["now"] -= 1
 
-    monkeypatch.setattr(engine, "Task", CountingTask)
+    monkeypatch.setattr(pool_module, "Task", CountingTask)
     shards = {name: make_tar([(f"{name}-{i}.jpg", jpeg_bytes(i, SMALL)) for i in range(8)]) for name in "ab"}
     outputs: dict[str, bytes] = {}
     errors: list[BaseException] = []
@@ -515,7 +518,7 @@ def test_pool_tasks_behave_as_the_engine_expects_of_futures() -> None:
         assert not skipped.done()
         gate.set()
         assert all(b.result() for b in blockers)
-        with pytest.raises(engine.CancelledError):
+        with pytest.raises(CancelledError):
             skipped.result()
         assert all_slots_free(pool, 4)  # every finished or skipped task gave its slot back
     finally:
@@ -539,7 +542,7 @@ def test_pool_shutdown_skips_queued_tasks_and_stops_its_threads() -> None:
     pool.shutdown()  # waits for the running task; the queued ones are skipped
     assert running.result() is True
     for task in queued:
-        with pytest.raises(engine.CancelledError):
+        with pytest.raises(CancelledError):
             task.result()
     assert not any(t.is_alive() for t in pool._threads)
 
@@ -688,8 +691,8 @@ def test_relay_over_a_real_socket_that_fills(pool: TransformPool, make_options: 
     # driver path's bytes, in chunked framing.
     import socket
 
-    from tests.test_direct import FakeTransport, ImmediateLoop, never, unframed
-    from transformer.server.output import DirectSender
+    from tests.server.test_direct import FakeTransport, ImmediateLoop, never, unframed
+    from transformer.server.direct import DirectSender
 
     slow_transforms(monkeypatch, lambda key: random.Random(key).uniform(0, 0.005))
     data = make_tar(mixed_members(40))

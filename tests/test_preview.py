@@ -13,9 +13,10 @@ from tests.shardgen import jpeg_bytes, make_tar, read_tar
 from transformer.cli import main
 from transformer.config import VARIABLES, Settings
 from transformer.demo import CLASSES, make_shards
-from transformer.engine import TransformPool, transform_shard
+from transformer.engine import transform_shard
 from transformer.errors import TransformerError
 from transformer.options import parse_etl_args
+from transformer.pool import TransformPool
 from transformer.preview import (
     collect_cells,
     detect_layout,

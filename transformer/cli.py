@@ -2,8 +2,7 @@
 
 ``serve`` is the pod's entry point (the Dockerfile and the AIS runtime spec run it); ``sync`` brings
 an ETL'd copy of a bucket up to date through AIS (``transform_bucket(..., incremental=True)``); the
-other commands use the same engine on local files, and so does ``measure_seconds_per_image``, the
-engine's cost per image on one local shard that ``EtlSettings(seconds_per_image=...)`` takes.
+other commands use the same engine on local files. Each command's work lives in the module it calls.
 """
 
 from __future__ import annotations
@@ -82,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from .config import Settings, write_termination_log
-    from .redact import configure, install_logging, redact, uvicorn_log_config
+    from .redact import configure, install_logging, redact
 
     configure(os.environ.get("AIS_TARGET_URL", ""))  # before anything is written: the ETL secret stays out
     if _worker_processes_likely(os.environ):
@@ -99,6 +98,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from .server.logs import serve_log_config
     from .server.protocols import DirectSendProtocol, FragmentingWebSocketProtocol
 
     uvicorn.run(
@@ -110,10 +110,10 @@ def _serve(args: argparse.Namespace) -> int:
         # (AIS does not retry a PUT that failed with EOF; ext/etl/communicator.go).
         timeout_keep_alive=settings.keepalive,
         # uvicorn's httptools protocol, which also hands the connection's transport to shard responses
-        # so the shard's driver thread can write the output itself (server/output.py).
+        # so the shard's driver thread can write the output itself (server/direct.py).
         http=DirectSendProtocol,
         # uvicorn's websockets (sans-I/O) protocol, which can also send a reply frame by frame
-        # (server/output.py). AIS sends up to 16 GiB per message and a shard sent as content is one
+        # (server/wsreply.py). AIS sends up to 16 GiB per message and a shard sent as content is one
         # message, held in memory whole: the shard limit caps it (the 1 MiB floor keeps room for
         # control messages).
         ws=FragmentingWebSocketProtocol,
@@ -125,7 +125,8 @@ def _serve(args: argparse.Namespace) -> int:
         # uncompressed frames, so it also stays off with a compressing client.)
         ws_per_message_deflate=False,
         log_level=settings.log_level,
-        log_config=uvicorn_log_config(),  # uvicorn's own, with the ETL secret masked in each handler
+        # uvicorn's own, with the ETL secret masked in each handler, and the root logger in the pod's format
+        log_config=serve_log_config(settings.log_level),
         access_log=settings.log_level == "debug",
         timeout_graceful_shutdown=int(settings.obj_timeout),
     )
@@ -145,103 +146,9 @@ def _worker_processes_likely(env: Mapping[str, str]) -> bool:
 
 
 def _apply(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+    from .apply import apply_shards
 
-    from .config import Settings
-    from .engine import ShardReport, TransformPool, transform_shard
-    from .options import parse_etl_args
-
-    settings = Settings.from_env()
-    options = parse_etl_args(args.etl_args, settings)
-    several = len(args.inputs) > 1
-    missing = [str(p) for p in args.inputs if not p.is_file()]
-    if missing:
-        print(f"error: no such shard file: {', '.join(missing)}", file=sys.stderr)
-        return 2
-    names = [p.name for p in args.inputs]
-    if several and len(set(names)) != len(names):
-        print("error: several inputs share a file name; their outputs would overwrite each other", file=sys.stderr)
-        return 2
-    if several:
-        args.output.mkdir(parents=True, exist_ok=True)
-    pool = TransformPool(settings.workers, settings.max_inflight)
-    failed = 0
-    try:
-        for source in args.inputs:
-            target = args.output / source.name if several else args.output
-            report = ShardReport(str(source), source.name, options.on_error)
-            partial = target.with_name(target.name + ".partial")
-            with open(source, "rb") as stream, open(partial, "wb") as out, tqdm(
-                total=os.path.getsize(source), unit="B", unit_scale=True, desc=source.name
-            ) as bar:
-                counted = _CountingReader(stream, bar)
-                try:
-                    for chunk in transform_shard(
-                        counted, options, pool, shard=str(source), object_name=source.name,
-                        window=settings.window, report=report,
-                    ):
-                        out.write(chunk)
-                except TransformerError as exc:
-                    print(f"error: {exc.message}", file=sys.stderr)
-                    failed += 1
-                    out.close()
-                    partial.unlink(missing_ok=True)
-                    continue
-            os.replace(partial, target)  # never leave a truncated shard under the final name
-            dropped = len(report.errors)
-            print(f"{target}: {report.samples_out} samples ({report.images} images) of {report.samples_in}"
-                  + (f", {dropped} with errors (see __etl__/errors.json)" if dropped else ""))
-    finally:
-        pool.shutdown()
-    return 1 if failed else 0
-
-
-def measure_seconds_per_image(shard: str, etl_args: str = "", max_samples: int | None = None) -> float:
-    """Seconds per image of the service's own engine on one local shard, on one thread.
-
-    What ``apply`` runs, timed. Feed the result to ``EtlSettings(seconds_per_image=...)``
-    (``transformer.client`` exports it). Needs the ``server`` extra (torchvision), imported only here.
-    """
-    import time
-
-    from .config import Settings
-    from .engine import ShardReport, TransformPool, transform_shard
-    from .options import parse_etl_args
-
-    settings = Settings.from_env({})
-    options = parse_etl_args(etl_args, settings)
-    pool = TransformPool(workers=1, max_inflight=4)
-    report = ShardReport(shard, shard, options.on_error)
-    started = time.perf_counter()
-    try:
-        with open(shard, "rb") as stream:
-            for _ in transform_shard(stream, options, pool, shard=shard, object_name=shard, window=2, report=report):
-                if max_samples is not None and report.samples_in >= max_samples:
-                    break
-    finally:
-        pool.shutdown()
-    if report.images == 0:
-        raise ValueError(f"measure_seconds_per_image: shard {shard!r} has no transformable image")
-    return (time.perf_counter() - started) / report.images
-
-
-class _CountingReader:
-    """A read-through file wrapper that advances a progress bar by the bytes read."""
-
-    def __init__(self, stream, bar):
-        self._stream, self._bar = stream, bar
-
-    def read(self, size: int = -1) -> bytes:
-        data = self._stream.read(size)
-        self._bar.update(len(data))
-        return data
-
-    def readinto(self, buffer) -> int:
-        from .shards import readinto
-
-        count = readinto(self._stream, buffer)
-        self._bar.update(count)
-        return count
+    return apply_shards(args.inputs, args.output, args.etl_args)
 
 
 def _make_shards(args: argparse.Namespace) -> int:
@@ -262,120 +169,9 @@ def _preview(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    """A summary of the shard, read with the service's strict reader, and whether it is whole.
+    from .inspection import inspect_shard
 
-    A shard the service wrote ends with its end marker; one without it was cut short (exit 1),
-    unless ``--raw`` says it is not an ETL'd shard.
-    """
-    import collections
-    import io
-    import json
-
-    import numpy as np
-
-    from .engine import ERROR_MANIFEST_NAME
-    from .integrity import ShardCheck
-    from .shards import read_samples
-
-    shard = str(args.shard)
-    extensions: collections.Counter[str] = collections.Counter()
-    labels: collections.Counter[str] = collections.Counter()
-    arrays: collections.Counter[str] = collections.Counter()
-    first_array, manifest, members, samples = None, None, 0, 0
-    check, failure = ShardCheck(shard), None
-    try:
-        stream = _open_for_reading(shard)
-    except OSError as exc:
-        print(f"error: {shard}: {exc.strerror or exc}", file=sys.stderr)
-        return 2
-    try:
-        for sample in read_samples(stream, shard, 1 << 40):
-            if check.sample(sample):
-                continue
-            samples += 1
-            check.samples += 1
-            for member in sample.members:
-                info = member.info
-                if not info.isfile():
-                    continue
-                if info.name == ERROR_MANIFEST_NAME:
-                    manifest = json.loads(member.data)
-                    samples -= 1
-                    continue
-                members += 1
-                base = info.name.rsplit("/", 1)[-1]
-                ext = base.partition(".")[2]
-                extensions[ext] += 1
-                if ext.endswith("cls"):
-                    labels[member.data.decode(errors="replace").strip()] += 1
-                if ext.endswith("npy"):
-                    array = np.load(io.BytesIO(member.data), allow_pickle=False)
-                    arrays[f"{ext}: {array.dtype} {tuple(array.shape)}"] += 1
-                    if first_array is None:
-                        first_array = (info.name, array)
-    except TransformerError as exc:
-        failure = exc.message
-    finally:
-        stream.close()
-    if failure is not None and not samples and not members:  # not a tar: nothing to summarize
-        print(f"error: {failure}", file=sys.stderr)
-        return 1
-    print(f"{shard}: {samples} samples, {members} members")
-    print("  members by extension: " + ", ".join(f"{e or '(none)'} x{n}" for e, n in sorted(extensions.items())))
-    for description, count in sorted(arrays.items()):
-        print(f"  arrays {description} x{count}")
-    if first_array is not None:
-        name, array = first_array
-        values = array.astype(np.float64)
-        print(f"  first array {name}: min {values.min():.3f} max {values.max():.3f} mean {values.mean():.3f}")
-    if labels:
-        print("  labels: " + _label_summary(labels))
-    if manifest:
-        print(f"  {len(manifest['errors'])} sample(s) with errors, policy {manifest['policy']}:")
-        for error in manifest["errors"][:10]:
-            print(f"    {error['key']} ({error['member']}): {error['reason']} -> {error['action']}")
-    else:
-        print("  no sample errors")
-    if failure is None and check.marker is None and args.raw:
-        print("  no end marker: not checked (--raw)")
-        return 0
-    if failure is None:
-        try:
-            marker = check.finish()
-        except TransformerError as exc:
-            failure = f"{exc.message}; cut short, or not written by this ETL (--raw for a shard that is not ETL'd)"
-        else:
-            print(f"  whole: the end marker matches ({marker['members']} members, {marker['bytes']} bytes; the "
-                  f"ETL read {marker['samples_in']} samples, wrote {marker['samples_out']}, skipped "
-                  f"{marker['skipped']}, passed {marker['passed_through']} through unchanged)")
-            return 0
-    print(f"error: {failure}", file=sys.stderr)
-    return 1
-
-
-def _label_summary(labels: dict[str, int], shown: int = 5) -> str:
-    """How many labels, how many distinct, and the most common few (all of them when they are few)."""
-    total = sum(labels.values())
-    common = sorted(labels.items(), key=_most_common_first)[:shown]
-    listed = ", ".join(f"{label} x{n}" for label, n in common)
-    if len(labels) <= shown:
-        return f"{total} ({len(labels)} distinct): {listed}"
-    return f"{total} ({len(labels)} distinct); most common: {listed}"
-
-
-def _most_common_first(item: tuple[str, int]) -> tuple:
-    """Sort key: the higher count first; ties in label order, numbers by value (2 before 10)."""
-    label, count = item
-    return (-count, 0, int(label), "") if label.isdigit() else (-count, 1, 0, label)
-
-
-def _open_for_reading(shard: str):
-    """A local file, or an http(s) URL read with the training client's opener (the service's error text kept)."""
-    if shard.startswith(("http://", "https://")):
-        from .client.reading import open_shard
-
-        return open_shard(shard)
-    return open(shard, "rb")
+    return inspect_shard(str(args.shard), raw=args.raw)
 
 
 def _settings(args: argparse.Namespace) -> int:

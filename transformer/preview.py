@@ -235,7 +235,8 @@ def _head(shard: Path, count: int, max_member_bytes: int, image_exts: frozenset[
 def _transform(head: list[Sample], shard: Path, options: TransformOptions,
                settings: Settings) -> tuple[dict[str, Sample], dict]:
     """Run the head samples through the engine; (output samples by key, error manifest)."""
-    from .engine import ERROR_MANIFEST_NAME, TransformPool, transform_shard
+    from .engine import ERROR_MANIFEST_NAME, transform_shard
+    from .pool import TransformPool
     from .shards import member_bytes, read_samples
     from .wire import END_OF_ARCHIVE
 

@@ -1,6 +1,6 @@
 """The transform pool's own cost per task: ``python -m bench.experiments.pool``.
 
-Why ``engine.TransformPool`` is hand-written: the same ordered window over a trivial task, once through
+Why ``pool.TransformPool`` is hand-written: the same ordered window over a trivial task, once through
 ``concurrent.futures.ThreadPoolExecutor`` with a ``BoundedSemaphore`` for the in-flight bound and a done
 callback (the usual way to bound it), once through ``TransformPool``. Prints process CPU per task: what
 the pool itself costs, nearly all of it Python holding the GIL that the transform threads and the
@@ -17,7 +17,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
-from transformer.engine import TransformPool
+from transformer.pool import TransformPool
 
 TASKS, WINDOW, WORKERS, INFLIGHT = 20_000, 6, 2, 8
 

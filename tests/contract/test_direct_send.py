@@ -1,4 +1,4 @@
-"""Direct send (server/output.py): the shard's driver thread writes the body frames; the bytes are the same.
+"""Direct send (server/direct.py): the shard's driver thread writes the body frames; the bytes are the same.
 
 The default service writes each response's body, and each ws reply's frames between its first and its
 last, from the shard's driver thread once the first chunk went out through uvicorn; ``ETL_DIRECT_SEND=false``
@@ -155,7 +155,7 @@ def test_pings_during_a_direct_ws_reply_never_land_inside_its_frames(service: Se
     # A client that pings while the reply streams (websockets' own keepalive does, every 20 s): the
     # server's pong must not be written in the middle of a frame the shard's threads are writing.
     # Whether a stray pong lands inside a frame depends on timing (without the hold this failed in
-    # most runs); tests/test_wsstream.py checks the hold itself exactly.
+    # most runs); tests/server/test_protocols.py checks the hold itself exactly.
     inputs = imagenet_like_members(32)
     fqn = disk.put("train", "direct-ws-pings.tar", make_tar(inputs))
     with ws_session(service) as ws:
@@ -206,6 +206,7 @@ import sys
 import uvicorn
 
 from transformer.config import Settings
+from transformer.server.logs import serve_log_config
 from transformer.server.protocols import DirectSendProtocol, FragmentingWebSocketProtocol
 
 port, certfile, keyfile = sys.argv[1:4]
@@ -214,7 +215,8 @@ uvicorn.run("transformer.server:create_app", factory=True, host="127.0.0.1", por
             timeout_keep_alive=settings.keepalive,
             http=DirectSendProtocol, ws=FragmentingWebSocketProtocol,
             ws_max_size=min(16 * 2**30, max(settings.max_shard_bytes, 2**20)), ws_ping_interval=None,
-            ws_ping_timeout=None, ws_per_message_deflate=False, log_level=settings.log_level, access_log=False,
+            ws_ping_timeout=None, ws_per_message_deflate=False, log_level=settings.log_level,
+            log_config=serve_log_config(settings.log_level), access_log=False,
             ssl_certfile=certfile, ssl_keyfile=keyfile)
 """
 

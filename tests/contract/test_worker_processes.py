@@ -14,9 +14,10 @@ import psutil
 
 from tests.shardgen import imagenet_like_members, make_tar
 from transformer.config import Settings
-from transformer.engine import TransformPool, transform_shard
+from transformer.engine import transform_shard
 from transformer.integrity import ShardCheck
 from transformer.options import parse_etl_args
+from transformer.pool import TransformPool
 from transformer.shards import read_samples
 
 from .conftest import AisDisk

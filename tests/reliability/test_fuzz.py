@@ -24,9 +24,10 @@ from webdataset.tariterators import base_plus_ext
 
 from tests.shardgen import make_tar, read_tar
 from transformer.config import Settings
-from transformer.engine import TransformPool, transform_shard
+from transformer.engine import transform_shard
 from transformer.errors import OptionsError, RequestError, ShardError
 from transformer.options import TransformOptions, options_from_mapping, parse_etl_args
+from transformer.pool import TransformPool
 from transformer.server.fqn import resolve_fqn
 from transformer.server.hops import DirectPutTarget, EtlStage, parse_node_url
 from transformer.shards import read_samples

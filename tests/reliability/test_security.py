@@ -134,7 +134,7 @@ SAFE_IMPORTLIB = {"resources", "metadata"}
 # Pickle only between the server process and the worker processes it started, over socketpairs no other
 # process holds (a shard's options, its report, its error); multiprocessing pickles a Process's arguments
 # the same way. Nothing from a request or a shard is ever unpickled.
-PRIVATE_PICKLE = {"server/processes.py"}
+PRIVATE_PICKLE = {"server/processes.py", "server/worker.py"}
 
 
 def _source_files() -> list[Path]:

@@ -1,6 +1,7 @@
 """The AIS ETL service. ``create_app()`` builds the ASGI app from the environment; ``wds-transform serve``
 runs it under uvicorn (``uvicorn --factory transformer.server:create_app`` does the same, without the
-direct-send protocols). Importing this package builds nothing: ``transformer.server.app`` is built on
+direct-send protocols and the service's log config, ``logs.serve_log_config``: the host's logging is the
+runner's). Importing this package builds nothing: ``transformer.server.app`` is built on
 first access, for ``uvicorn transformer.server:app``.
 """
 

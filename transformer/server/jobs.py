@@ -19,9 +19,10 @@ from dataclasses import dataclass
 import httpx
 
 from ..config import Settings
-from ..engine import ShardReport, TransformPool, Write, transform_shard
+from ..engine import ShardReport, Write, transform_shard
 from ..errors import Cancelled, InternalError, TransformerError, UpstreamError
 from ..options import TransformOptions
+from ..pool import TransformPool
 from .duplex import duplex_put
 from .hops import (
     HEADER_DIRECT_PUT_LENGTH,

@@ -1,4 +1,4 @@
-"""Transform worker processes: each shard's ``transform_shard`` runs in one, the server only relays bytes.
+"""Transform worker processes, the server's side: each shard runs in one, the server only relays its bytes.
 
 Why: a transform thread holds the GIL about a quarter of its time (the per-sample Python around the
 decode, the v2 pipeline's bookkeeping, tar headers), so the threads of one process stop scaling near
@@ -13,7 +13,8 @@ descriptors over the worker's SEQPACKET control socket: its input (the object's 
 FQN, else a pipe a feeder thread fills) and a stream socket on which the worker sends the output as
 frames, then the shard's report (or its error). The worker runs the same ``transform_shard`` the
 server runs in-process, so the bytes are the same. A worker that dies fails the shards it held,
-each with an error that names it, and the supervisor starts a new one.
+each with an error that names it, and the supervisor starts a new one. The worker's side is
+``worker.py``.
 """
 
 from __future__ import annotations
@@ -30,51 +31,22 @@ import select
 import signal
 import socket
 import stat
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from ..engine import ShardReport, TransformPool, transform_shard
+from ..engine import ShardReport
 from ..errors import Cancelled, InternalError, TransformerError
 from ..forkserver import start_fork_server
 from ..options import TransformOptions
-from ..redact import install_logging
-from ..samples import decode_paths
-from .sources import Counting
+from .worker import DATA, FEED, HEADER, READY, WorkerConfig, WorkerJob, worker_main
 
 log = logging.getLogger("transformer.server")
 
-_HEADER = struct.Struct("!BQ")  # frame kind, payload length
-_DATA, _DONE, _FAILED = 1, 2, 3
-_FRAME = 4 << 20  # output gathered into frames of about this size: one relay step per frame in the server
-_FLUSH_SECONDS = 0.05
 _GRACE_SECONDS = 2.0  # past the deadline, the worker's own timeout error (with its counts) is awaited this long
-_FEED = 1 << 20  # input read and piped in pieces of this size when it is not a file
-_READY, _READY_SECONDS = b"ready", 300.0  # a worker's first message, once its transform threads run
-_REPORT_SKIP = frozenset({"bytes_out", "first_byte", "started"})  # kept by the server's own job
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """What a worker process needs to know; passed once when it starts."""
-
-    threads: int
-    max_inflight: int
-    log_level: str
-    ais_target_url: str  # its secret is masked in the worker's log lines too
-
-
-@dataclass(frozen=True)
-class _Job:
-    shard: str
-    object_name: str
-    options: TransformOptions
-    window: int
-    limit: int  # ETL_MAX_SHARD_BYTES, counted as the worker reads
-    deadline: float  # time.monotonic() is one clock for every process of the host
+_READY_SECONDS = 300.0  # how long a worker may take to send READY
 
 
 class ShardProcesses:
@@ -189,7 +161,7 @@ class ShardProcesses:
                   limit: int, report: ShardReport, cancel: threading.Event, deadline: float) -> RemoteShard:
         """``engine.transform_shard`` of ``stream`` in a worker process: its chunks, its report, its errors."""
         worker = self._pick(shard, cancel, deadline)
-        return RemoteShard(self, worker, stream, _Job(shard, object_name, options, window, limit, deadline),
+        return RemoteShard(self, worker, stream, WorkerJob(shard, object_name, options, window, limit, deadline),
                            report, cancel)
 
     def _pick(self, shard: str, cancel: threading.Event, deadline: float) -> _Worker:
@@ -242,7 +214,7 @@ class _Worker:
             ready = ours.recv(16)
         except OSError:
             ready = b""
-        if ready != _READY:
+        if ready != READY:
             ours.close()
             process.kill()
             process.join(5)
@@ -250,7 +222,7 @@ class _Worker:
         ours.settimeout(None)
         return cls(index, process, ours)
 
-    def send(self, job: _Job, fds: list[int]) -> None:
+    def send(self, job: WorkerJob, fds: list[int]) -> None:
         with self.send_lock:
             socket.send_fds(self.control, [pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)], fds)
 
@@ -265,7 +237,7 @@ class _Worker:
 class RemoteShard:
     """The output of one shard transformed in a worker: iterate for its chunks; ``bytes_in`` once done."""
 
-    def __init__(self, owner: ShardProcesses, worker: _Worker, stream: BinaryIO, job: _Job, report: ShardReport,
+    def __init__(self, owner: ShardProcesses, worker: _Worker, stream: BinaryIO, job: WorkerJob, report: ShardReport,
                  cancel: threading.Event):
         self.bytes_in = 0
         self.pid = worker.process.pid  # the worker process transforming it
@@ -311,9 +283,9 @@ class RemoteShard:
                     if time.monotonic() > job.deadline + _GRACE_SECONDS:  # the worker is stuck
                         raise TransformerError(f"shard '{job.shard}': object timeout exceeded after "
                                                f"{self._report.samples_in} samples")
-                kind, size = _HEADER.unpack(self._receive(_HEADER.size))
+                kind, size = HEADER.unpack(self._receive(HEADER.size))
                 payload = self._receive(size)
-                if kind == _DATA:
+                if kind == DATA:
                     yield memoryview(payload)
                     continue
                 state, self.bytes_in, paths, failure = pickle.loads(payload)
@@ -380,7 +352,7 @@ class _Feeder:
         with contextlib.suppress(OSError):  # fewer, larger writes; the pipe's default is 64 KiB
             import fcntl
 
-            fcntl.fcntl(self._write_end, fcntl.F_SETPIPE_SZ, _FEED)
+            fcntl.fcntl(self._write_end, fcntl.F_SETPIPE_SZ, FEED)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"feed {shard}", daemon=True)
 
@@ -390,7 +362,7 @@ class _Feeder:
     def _run(self) -> None:
         try:
             while True:
-                chunk = self.stream.read(_FEED)
+                chunk = self.stream.read(FEED)
                 if not chunk:
                     return
                 view = memoryview(chunk)
@@ -424,21 +396,6 @@ def _apply_report(report: ShardReport, state: dict) -> None:
         setattr(report, name, value)
 
 
-def _report_state(report: ShardReport) -> dict:
-    return {f.name: getattr(report, f.name) for f in dataclasses.fields(report) if f.name not in _REPORT_SKIP}
-
-
-def _portable(exc: BaseException) -> tuple:
-    """An exception as (class, args, attributes): our errors take several arguments, which pickle cannot replay."""
-    state = (type(exc), exc.args, dict(getattr(exc, "__dict__", {})))
-    try:
-        pickle.loads(pickle.dumps(state))
-    except Exception:
-        message = f"internal error: {exc!r}"
-        return (InternalError, (message,), {"message": message})
-    return state
-
-
 def _rebuilt(state: tuple) -> BaseException:
     cls, args, attributes = state
     exc = cls.__new__(cls)
@@ -455,98 +412,3 @@ def _exit_text(code: int | None) -> str:
         hint = " (SIGKILL: often the OOM killer at the container's memory limit)" if -code == signal.SIGKILL else ""
         return f"was killed by {name}{hint}"
     return f"exited with status {code}"
-
-
-# ------------------------------------------------------------------------------------------ worker process
-
-
-def worker_main(control: socket.socket, config: WorkerConfig) -> None:
-    """A worker process: take shards from ``control`` until the server closes it; each on a thread of its own."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and SIGTERM are the server's to act on
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    install_logging(config.ais_target_url)
-    pool = TransformPool(config.threads, config.max_inflight)
-    control.send(_READY)
-    try:
-        while True:
-            try:
-                message, fds, _, _ = socket.recv_fds(control, 1 << 20, 2)
-            except OSError:
-                return
-            if not message:
-                return  # the server closed its end
-            job = pickle.loads(message)
-            threading.Thread(target=_serve, args=(job, fds, pool), name=f"shard {job.shard}", daemon=True).start()
-    finally:
-        pool.shutdown()
-
-
-def _serve(job: _Job, fds: list[int], pool: TransformPool) -> None:
-    out = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=fds[0])
-    stream = open(fds[1], "rb", buffering=_FEED)
-    cancel = threading.Event()
-    threading.Thread(target=_watch, args=(out, cancel), name=f"watch {job.shard}", daemon=True).start()
-    report = ShardReport(job.shard, job.object_name, job.options.on_error)
-    counted = Counting(stream, job.shard, job.limit)
-    try:
-        chunks = transform_shard(counted, job.options, pool, shard=job.shard, object_name=job.object_name,
-                                 window=job.window, report=report, cancel=cancel, deadline=job.deadline)
-        with contextlib.closing(chunks):
-            # The first chunk goes at once (the caller's time to first byte); then frames of _FRAME bytes, or
-            # what waited _FLUSH_SECONDS (a slow transform still streams). The newest chunk is held back, so
-            # the shard's last chunk (the end marker and end-of-archive blocks, small) is a frame of its own,
-            # as in-process: a ws reply's last frame then carries it with FIN.
-            pending: list[bytes | memoryview] = []
-            size, oldest, first = 0, 0.0, True
-            held: bytes | memoryview | None = None
-            for chunk in chunks:
-                if first:
-                    _send(out, _DATA, [chunk], len(chunk))
-                    first = False
-                    continue
-                if held is not None:
-                    if not pending:
-                        oldest = time.monotonic()
-                    pending.append(held)
-                    size += len(held)
-                held = chunk
-                if pending and (size >= _FRAME or time.monotonic() - oldest >= _FLUSH_SECONDS):
-                    _send(out, _DATA, pending, size)
-                    pending, size = [], 0
-            if pending:
-                _send(out, _DATA, pending, size)
-            if held is not None:
-                _send(out, _DATA, [held], len(held))
-        end = pickle.dumps((_report_state(report), counted.count, decode_paths(), None))
-        _send(out, _DONE, [end], len(end))
-    except BaseException as exc:
-        if not isinstance(exc, (TransformerError, OSError)):
-            log.exception("shard %s: unexpected error in a transform worker", job.shard)
-        if not isinstance(exc, OSError) or not cancel.is_set():  # else the server shut the connection: no one reads
-            with contextlib.suppress(OSError):
-                end = pickle.dumps((_report_state(report), counted.count, decode_paths(), _portable(exc)))
-                _send(out, _FAILED, [end], len(end))
-    finally:
-        stream.close()
-        with contextlib.suppress(OSError):
-            out.shutdown(socket.SHUT_RD)  # wakes the watcher
-        out.close()
-
-
-def _watch(out: socket.socket, cancel: threading.Event) -> None:
-    """The server shut the shard's connection (its caller went away, or the shard ended): stop the work."""
-    with contextlib.suppress(OSError):
-        out.recv(1)
-    cancel.set()
-
-
-def _send(out: socket.socket, kind: int, pieces: list[bytes | memoryview], size: int) -> None:
-    parts: list[bytes | memoryview] = [_HEADER.pack(kind, size), *pieces]
-    while parts:
-        sent = out.sendmsg(parts)  # the pieces go from the transform's buffers to the socket: no copy here
-        while parts and sent >= len(parts[0]):
-            sent -= len(parts[0])
-            parts.pop(0)
-        if sent:
-            parts[0] = memoryview(parts[0])[sent:]

@@ -1,9 +1,9 @@
-"""uvicorn's protocols, subclassed only to expose what a shard response needs (transformer/server/output.py).
+"""uvicorn's protocols, subclassed only to expose what a shard response needs (direct.py, wsreply.py).
 
 * ``DirectSendProtocol`` (httptools): each request's ASGI scope also carries the connection's
   transport, so the shard's driver thread may write the body's frames itself (direct send).
 * ``FragmentingWebSocketProtocol`` (websockets, sans-I/O): the ASGI scope carries the protocol, so a
-  ws reply can leave as a fragmented message (``output.send_ws_frame``), and the protocol holds the
+  ws reply can leave as a fragmented message (``wsreply.send_ws_frame``), and the protocol holds the
   pongs it owes while the shard's threads write frames, so none lands inside one.
 
 Why a fragmented ws message: ASGI sends a WebSocket message whole, and AIS wants one message per

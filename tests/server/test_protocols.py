@@ -1,4 +1,5 @@
-"""server/protocols.py's ws protocol with output.send_ws_frame: while the driver thread writes frames,
+"""server/protocols.py: which responses may use direct send (``transport_of``), and the ws protocol with
+wsreply.send_ws_frame: while the driver thread writes frames,
 no pong is written; a failed reply's last frame goes out without waiting, after the held pongs, and
 the next message starts cleanly.
 
@@ -15,9 +16,10 @@ from uvicorn.config import Config
 from uvicorn.server import ServerState
 from websockets.frames import Frame, Opcode
 
-from transformer.server.output import send_ws_frame
+from transformer.server import protocols
 from transformer.server.protocols import WS_EXTENSION as EXTENSION
 from transformer.server.protocols import FragmentingWebSocketProtocol
+from transformer.server.wsreply import send_ws_frame
 
 HANDSHAKE = (b"GET /ws HTTP/1.1\r\nHost: test\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
              b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
@@ -132,3 +134,12 @@ def test_a_failed_reply_ends_with_its_error_frame_even_while_the_peer_does_not_r
     assert timed_out, "a frame with a deadline did not wait (until its deadline) while writing was paused"
     assert written == (frame(Opcode.BINARY, b"first", False) + pong(b"during")
                        + frame(Opcode.CONT, b'{"message": "failed"}', True) + frame(Opcode.BINARY, b"next", True))
+
+
+def test_head_requests_and_foreign_servers_use_the_asgi_path() -> None:
+    transport = Transport()
+    scope = {"method": "GET", "extensions": {protocols.DIRECT_EXTENSION: {"transport": transport}}}
+    assert protocols.transport_of(scope) is transport
+    assert protocols.transport_of({**scope, "method": "HEAD"}) is None
+    assert protocols.transport_of({"method": "GET"}) is None
+    assert protocols.transport_of({"method": "GET", "extensions": {"http.response.trailers": {}}}) is None

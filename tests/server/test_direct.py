@@ -1,4 +1,4 @@
-"""server/output.py's DirectSender on a socket pair: exact chunked framing, partial sends, the stall
+"""server/direct.py's DirectSender on a socket pair: exact chunked framing, partial sends, the stall
 hand-back, a gone peer."""
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ import pytest
 
 from transformer.engine import Write
 from transformer.errors import Cancelled
-from transformer.server import output as direct
-from transformer.server import protocols
+from transformer.server import direct, protocols
 
 
 class FakeTransport:
@@ -202,15 +201,6 @@ def test_flush_after_try_send_writes_only_the_unfinished_frame() -> None:
     ours.close()
     reader.join(10)
     assert bytes(received) == framed([big])
-
-
-def test_head_requests_and_foreign_servers_use_the_asgi_path() -> None:
-    transport = FakeTransport(None)
-    scope = {"method": "GET", "extensions": {protocols.DIRECT_EXTENSION: {"transport": transport}}}
-    assert protocols.transport_of(scope) is transport
-    assert protocols.transport_of({**scope, "method": "HEAD"}) is None
-    assert protocols.transport_of({"method": "GET"}) is None
-    assert protocols.transport_of({"method": "GET", "extensions": {"http.response.trailers": {}}}) is None
 
 
 class TlsTransport(FakeTransport):

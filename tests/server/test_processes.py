@@ -14,9 +14,10 @@ import pytest
 
 from tests.shardgen import imagenet_like_members, make_tar
 from transformer.config import Settings, processes_for
-from transformer.engine import ShardReport, TransformPool, transform_shard
+from transformer.engine import ShardReport, transform_shard
 from transformer.errors import ConfigError, InternalError, SampleTransformError, ShardError, UpstreamError
 from transformer.options import parse_etl_args
+from transformer.pool import TransformPool
 from transformer.server.processes import RemoteShard, ShardProcesses, WorkerConfig
 
 SEEDED = '{"preset": "imagenet-train", "seed": 11, "epoch": 2}'

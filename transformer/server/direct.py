@@ -1,0 +1,225 @@
+"""Direct send: a response's frames written from the shard's own threads (``DirectSender``, frame builders).
+
+Through ASGI every chunk crosses to the event loop, which frames it (uvicorn joins the chunk-size
+line, the array and the CRLF into a new bytes object) and writes it holding the GIL, while the
+transform threads wait for it. So once the first chunk went out through uvicorn and its write buffer
+is empty, the shard's threads write the rest of the body: ``sendmsg`` on a duplicate of the socket,
+the GIL released, no copy in Python. The end goes back to the event loop, so uvicorn's or websockets'
+state (keep-alive, the final chunk, the frame with FIN, the abort on failure) stays exactly theirs. A
+frame that stays unwritten for ``STALL_SECONDS`` while the body is still arriving goes to uvicorn's
+transport and the output returns to the event loop's path (a half-duplex caller).
+docs/performance.md measures both choices.
+
+**Never over TLS**: only the transport's SSL object may write a TLS connection's socket, so such a
+connection always takes the event loop's path (``encrypted``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import select
+import socket
+import struct
+from collections.abc import Callable
+
+from ..engine import Write
+from ..errors import Cancelled
+from .protocols import encrypted
+
+STALL_SECONDS = 0.2  # a frame not accepted by the socket for this long, with the body still arriving
+_POLL = 0.05  # how often a blocked send checks for cancellation and stalls
+HOLD = 64 * 1024  # chunks smaller than this may wait for the next one (DirectSender.send)
+_HOLD_COUNT = 64  # and at most this many (sendmsg takes at most IOV_MAX = 1024 buffers)
+
+
+async def drained(transport: asyncio.Transport, timeout: float) -> bool:
+    """Wait until uvicorn's transport has written everything it holds; False after ``timeout``.
+
+    Also False, at once, for a TLS connection: its socket is never written to directly.
+    """
+    if encrypted(transport):
+        return False
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while transport.get_write_buffer_size():
+        if transport.is_closing() or loop.time() > end:
+            return False
+        await asyncio.sleep(0.001)
+    return not transport.is_closing()
+
+
+def chunked_frame(size: int) -> tuple[bytes, bytes]:
+    """HTTP/1.1 chunked encoding (RFC 9112 7.1): the size line before the data, CRLF after."""
+    return b"%x\r\n" % size, b"\r\n"
+
+
+def ws_continuation_frame(size: int) -> tuple[bytes, bytes]:
+    """A WebSocket continuation frame's header, FIN clear, unmasked (server to client; RFC 6455 5.2).
+
+    Written here because websockets builds a frame by copying its payload into one bytes object
+    (``Frame.serialize``), which is the copy direct send exists to avoid; tests/server/test_direct.py
+    checks these headers against websockets' own for every length encoding.
+    """
+    if size < 126:
+        return bytes((0x00, size)), b""
+    if size < 1 << 16:
+        return struct.pack("!BBH", 0x00, 126, size), b""
+    return struct.pack("!BBQ", 0x00, 127, size), b""
+
+
+class DirectSender:
+    """Writes a response's frames from the shard's driver thread (see the module docstring).
+
+    ``frame`` gives the bytes around a frame's data: HTTP chunked encoding (the default), or WebSocket
+    continuation frames. ``protocol_ends_message``: the server's protocol sends the message's last
+    frame (websockets: the frame with FIN, after a failure carrying the error text), so ``take_tail``
+    hands it the held chunks and ``close`` completes a frame cut short.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, transport: asyncio.Transport,
+                 frame: Callable[[int], tuple[bytes, bytes]] = chunked_frame, protocol_ends_message: bool = False):
+        self._loop, self._transport, self._wrap = loop, transport, frame
+        self._protocol_ends_message = protocol_ends_message
+        if encrypted(transport):
+            raise OSError("a TLS connection: only its transport may write to the socket")
+        raw = transport.get_extra_info("socket")
+        if raw is None or raw.fileno() < 0:
+            raise OSError("the connection has no open socket")
+        # A duplicate descriptor: uvloop may close its own when the peer goes away while we write.
+        self._sock = socket.socket(fileno=os.dup(raw.fileno()))
+        # Non-blocking, as the event loop needs it; a full socket is waited for with poll(), and only
+        # then (a socket with a timeout polls before every send: a system call per frame for nothing).
+        self._sock.setblocking(False)
+        self._writable = select.poll()
+        self._writable.register(self._sock.fileno(), select.POLLOUT)
+        # Small chunks (tar headers, labels, padding: what the engine gathers between two arrays) wait
+        # here and go out in one frame, and one sendmsg, with the next array.
+        self._held: list[bytes | memoryview] = []
+        self._held_bytes = 0
+        # What try_send could not write (the socket was full), written first by the next send or flush;
+        # or a frame cut short by a cancel (see close).
+        self._unsent: list[bytes | memoryview] = []
+
+    def send(self, chunk: bytes | memoryview, cancel: Callable[[], None], stalled: Callable[[], bool]) -> bool:
+        """Write one frame. False: the socket stalled and the rest went to the transport (use ASGI now).
+
+        ``cancel`` raises if the job must stop; ``stalled`` says whether waiting longer could deadlock.
+        A chunk under ``HOLD`` bytes may be held and written with the next one (``flush`` writes it).
+        """
+        if not chunk:
+            return True  # an empty frame would end the body
+        if self._held_bytes + len(chunk) < HOLD and len(self._held) < _HOLD_COUNT:
+            self._held.append(chunk)
+            self._held_bytes += len(chunk)
+            return True
+        return self._write(chunk, cancel, stalled)
+
+    def try_send(self, chunk: bytes | memoryview) -> Write:
+        """``send`` that never waits, for a transform thread (``Output.try_write``): ``Write.OK`` when the
+        frame was written or the chunk held, ``Write.FULL`` when the socket took part of it (the rest
+        goes first with the next ``send`` or ``flush``, which the shard's driver makes)."""
+        if self._unsent and not self._send_nowait(self._unsent):
+            return Write.REFUSED  # a frame is still unfinished: the driver's blocking send finishes it
+        if not chunk:
+            return Write.OK
+        if self._held_bytes + len(chunk) < HOLD and len(self._held) < _HOLD_COUNT:
+            self._held.append(chunk)
+            self._held_bytes += len(chunk)
+            return Write.OK
+        parts = self._frame(chunk)
+        if not self._send_nowait(parts):
+            self._unsent = parts
+            return Write.FULL
+        return Write.OK
+
+    def _send_nowait(self, parts: list[bytes | memoryview]) -> bool:
+        """One non-blocking ``sendmsg``; drops what was sent from ``parts``; whether all of it went."""
+        try:
+            sent = self._sock.sendmsg(parts)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:  # EPIPE, ECONNRESET: the caller went away
+            raise Cancelled(f"caller went away while receiving ({exc.strerror or exc})") from None
+        drop_sent(parts, sent)
+        return not parts
+
+    def flush(self, cancel: Callable[[], None], stalled: Callable[[], bool]) -> bool:
+        """Write what ``send`` held back (the end of a body); False as for ``send``."""
+        return self._write(b"", cancel, stalled) if self._held_bytes or self._unsent else True
+
+    def take_tail(self) -> bytes:
+        """At the end of the output: the held chunks, for the protocol's last frame (``protocol_ends_message``).
+
+        Otherwise nothing: ``flush`` writes them.
+        """
+        if not self._protocol_ends_message:
+            return b""
+        held, self._held, self._held_bytes = self._held, [], 0
+        return b"".join(held)
+
+    def _frame(self, chunk: bytes | memoryview) -> list[bytes | memoryview]:
+        """The held pieces and ``chunk`` as one frame (nothing when both are empty)."""
+        held, self._held, size = self._held, [], self._held_bytes + len(chunk)
+        self._held_bytes = 0
+        if not size:
+            return []
+        prefix, suffix = self._wrap(size)
+        return [prefix, *held, chunk, suffix] if suffix else [prefix, *held, chunk]
+
+    def _write(self, chunk: bytes | memoryview, cancel: Callable[[], None], stalled: Callable[[], bool]) -> bool:
+        parts, self._unsent = [*self._unsent, *self._frame(chunk)], []
+        waited = 0.0
+        try:
+            while parts:
+                try:
+                    sent = self._sock.sendmsg(parts)
+                except BlockingIOError:
+                    writable = self._writable.poll(_POLL * 1000)
+                    cancel()  # also when poll() says writable and the socket still refuses: never spin unchecked
+                    if writable:
+                        continue  # (or failed: the next sendmsg says how)
+                    waited += _POLL
+                    if waited >= STALL_SECONDS and stalled():
+                        self._to_transport(parts)
+                        return False
+                    continue
+                except OSError as exc:  # EPIPE, ECONNRESET: the caller went away
+                    parts.clear()  # nobody will read the rest of the frame
+                    raise Cancelled(f"caller went away while receiving ({exc.strerror or exc})") from None
+                waited = 0.0
+                drop_sent(parts, sent)
+        finally:
+            self._unsent = parts  # a frame cut short by ``cancel`` (object timeout): see ``close``
+        return True
+
+    def _to_transport(self, parts: list[bytes | memoryview]) -> None:
+        """The rest of a frame goes to uvicorn's transport (written by the event loop, in order)."""
+        if parts:
+            self._loop.call_soon_threadsafe(self._transport.write, b"".join(parts))
+            parts.clear()
+
+    def close(self) -> None:
+        """Stop writing. With ``protocol_ends_message``, the rest of a frame cut short goes to the transport.
+
+        A ws reply that fails mid-message is ended by the websockets protocol with a last frame that
+        carries the error text, through the transport: a frame (or a pong) inside a frame's payload
+        would be read as payload, so the frame is completed first. An HTTP response that fails is cut
+        off by uvicorn instead, so a cut frame stays cut.
+        """
+        if self._protocol_ends_message:
+            self._to_transport(self._unsent)
+        self._unsent = []
+        self._sock.close()
+
+
+def drop_sent(parts: list[bytes | memoryview], sent: int) -> None:
+    """Remove the first ``sent`` bytes from a ``sendmsg`` buffer list, in place (a partial send)."""
+    while sent:
+        first = len(parts[0])
+        if sent >= first:
+            sent -= first
+            parts.pop(0)
+        else:
+            parts[0] = memoryview(parts[0])[sent:]
+            sent = 0
