@@ -40,11 +40,9 @@ from urllib.parse import quote, urlencode
 
 import httpx
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # ``python bench/soak.py`` as well as ``python -m bench.soak``
-    sys.path.insert(0, str(REPO_ROOT))
+from testbed.shardgen import jpeg_bytes, make_tar
 
-from tests.shardgen import jpeg_bytes, make_tar  # noqa: E402 - needs the repo root on sys.path
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 HEALTH_P99_LIMIT_MS = 100.0
 RSS_GROWTH_LIMIT = 64 * 2**20  # bytes of RSS growth allowed after warm-up (allocator noise)

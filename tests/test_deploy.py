@@ -40,6 +40,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from websockets.sync.client import connect
 
+from testbed.shardgen import imagenet_like_members, make_tar, read_tar
 from tests.deploy_files import (
     DOCKERFILE,
     REPO,
@@ -55,7 +56,6 @@ from tests.deploy_files import (
     memory_bytes,
     yaml_documents,
 )
-from tests.shardgen import imagenet_like_members, make_tar, read_tar
 from transformer.config import VARIABLES, Settings, parse_duration
 
 KUBERNETES_VERSION = "1.37"  # a current release; kubernetes-validate ships its schemas

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 import webdataset as wds
 
-from tests.shardgen import jpeg_bytes, make_tar, read_output, read_tar
+from testbed.shardgen import jpeg_bytes, make_tar, read_output, read_tar
 from transformer import engine
 from transformer.config import Settings
 from transformer.engine import ERROR_MANIFEST_NAME, ShardReport, TransformPool, transform_shard

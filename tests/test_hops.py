@@ -31,9 +31,8 @@ def test_a_retry_cut_by_the_object_timeout_reports_why_the_first_attempt_failed(
             raise TransformerError("shard 'x.tar': object timeout exceeded after 0 samples")
         yield b"tar bytes"
 
-    with httpx.Client(transport=httpx.MockTransport(refuse)) as client:
-        with pytest.raises(UpstreamError) as info:
-            put_stream(client, URL, body, headers={}, deadline=deadline, replayable=True)
+    with httpx.Client(transport=httpx.MockTransport(refuse)) as client, pytest.raises(UpstreamError) as info:
+        put_stream(client, URL, body, headers={}, deadline=deadline, replayable=True)
     assert len(bodies) == 2 and len(attempts) == 1  # the second attempt failed in its body
     assert info.value.status == 502  # the destination's refusal, not a 500 of the transform
     assert "WriteError" in info.value.message and "object timeout exceeded after 2 attempt(s)" in info.value.message
@@ -61,7 +60,6 @@ def test_the_deadline_before_a_retry_names_the_last_failure() -> None:
             pass
         return httpx.Response(503, text="target busy")
 
-    with httpx.Client(transport=httpx.MockTransport(unavailable)) as client:
-        with pytest.raises(UpstreamError) as info:
-            put_stream(client, URL, lambda: [b"tar"], headers={}, deadline=time.monotonic() + 0.3, replayable=True)
+    with httpx.Client(transport=httpx.MockTransport(unavailable)) as client, pytest.raises(UpstreamError) as info:
+        put_stream(client, URL, lambda: [b"tar"], headers={}, deadline=time.monotonic() + 0.3, replayable=True)
     assert info.value.status == 503 and "target busy" in info.value.message

@@ -14,7 +14,7 @@ import pytest
 import torch
 from webdataset.tariterators import base_plus_ext
 
-from tests.shardgen import make_tar, npy_bytes, sealed
+from testbed.shardgen import make_tar, npy_bytes, sealed
 from transformer.client import ErrorCounter, make_loader, shard_samples
 from transformer.client.reading import MalformedMember, split_key
 from transformer.shards import _plain_file, _ustar_header, plain_member

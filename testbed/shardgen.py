@@ -137,3 +137,13 @@ def npy_bytes(array: np.ndarray, version: tuple[int, int] | None = None) -> byte
     buffer = io.BytesIO()
     npy.write_array(buffer, array, version=version, allow_pickle=True)
     return buffer.getvalue()
+
+
+def shard_bytes(index: int, samples: int = 6) -> bytes:
+    """A WebDataset shard of ``samples`` small JPEG samples with labels and pass-through members."""
+    members = []
+    for name, data in imagenet_like_members(samples):
+        if name.endswith(".json"):  # which shard and sample: unique over a bucket
+            data = json.dumps({"shard": index, "sample": int(name[7:13])}).encode()
+        members.append((f"s{index:03d}-{name}", data))
+    return make_tar(members)
