@@ -19,7 +19,8 @@ namespace entered before the process started any thread (``tests/conftest.py``).
 
 Layout: node-0 (198.51.100.10) runs the proxy, node-1 (.11) and node-2 (.12) a target each; the pods AIS
 creates for a target run on that target's node, so every ETL has two pods and a bucket's objects
-spread over both. ``python -m testbed.etl_cluster`` starts one by hand (see ``main``).
+spread over both. ``python -m testbed.etl_cluster`` starts one by hand (see ``main``). ``settings()`` is
+the small, quick ETL the real-ETL tests and the benchmarks through AIS register on it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Test shards built in memory from real photographs (scikit-image's bundled samples)."""
+"""Test shards and images built in memory: real photographs (scikit-image's bundled samples), textured JPEGs.
+
+``shard_bytes`` is the small labelled shard the real-ETL tests and benchmarks put into AIS.
+"""
 
 from __future__ import annotations
 
