@@ -22,7 +22,7 @@ demo: install
 	PY=$(PY) bash scripts/demo.sh
 
 # The 'ais' tests (part of `make test`) run a real AIStore on 127.0.0.1: aisnode is built once with Go >= 1.26
-# into ~/.cache/ais-wds-transformer (tests/ais/cluster.py); `make aisnode` builds it ahead of a test run.
+# into ~/.cache/ais-wds-transformer (testbed/cluster.py); `make aisnode` builds it ahead of a test run.
 test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30
 
@@ -32,12 +32,12 @@ bench: install
 	$(PY) -m bench.headline
 
 aisnode: install
-	$(PY) -m tests.ais.cluster --build-only
+	$(PY) -m testbed.cluster --build-only
 
 # A real single-node Kubernetes' binaries (Kubernetes built with Go from the module proxy, containerd, etcd and the
-# registry from Debian packages), made once into ~/.cache/ais-wds-transformer (tests/ais/k8s/build.py).
+# registry from Debian packages), made once into ~/.cache/ais-wds-transformer (testbed/k8s/build.py).
 k8s-tools: install
-	$(PY) -m tests.ais.k8s.build
+	$(PY) -m testbed.k8s.build
 
 # The pod's image from the Dockerfile: Docker where an engine runs, else buildah as root (scripts/image.py says
 # which base and torch index it picks, and why). Tagged localhost/ais-wds-transformer:dev.
@@ -57,14 +57,14 @@ k8s-host-tools:
 test-image: install image-tools image
 	AIS_WDS_POD_RUNTIME=container $(PY) -m pytest -q -m 'image or ais_etl' tests/image tests/ais/etl
 
-# The real-ETL suite on a real single-node Kubernetes (tests/ais/k8s): its binaries built or fetched once into
+# The real-ETL suite on a real single-node Kubernetes (testbed/k8s): its binaries built or fetched once into
 # ~/.cache/ais-wds-transformer, the image pushed to the node's registry, every ETL pod scheduled and run by it.
 test-k8s: install k8s-host-tools image k8s-tools
 	AIS_WDS_KUBE=real $(PY) -m pytest -q -m 'ais_etl or k8s' tests/ais/etl
 
 # A real AIS with ETL (one proxy, two targets, a fake Kubernetes) in a network namespace, until Ctrl-C.
 ais-etl: install
-	$(PY) -m tests.ais.etl_cluster
+	$(PY) -m testbed.etl_cluster
 
 # The wheels python -m bench.gpu installs on a GPU machine without network (docs/performance.md).
 gpu-wheels:

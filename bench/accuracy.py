@@ -33,7 +33,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
+
+from testbed.shardgen import textured_jpeg
 
 # (width, height): short side 200 to 2400, landscape and portrait, odd sizes, ImageNet's common 500 x 375/333.
 SIZES = [(267, 200), (200, 300), (500, 375), (375, 500), (500, 333), (333, 500), (448, 448), (640, 427),
@@ -45,22 +46,6 @@ RANGES = [(0, 512, "short side < 512"), (512, 1024, "512-1023"), (1024, 2000, "1
           (2000, 10**6, ">= 2000")]
 PRESETS = {"imagenet-val": [None], "resize-224": [None], "imagenet-train": [0, 1, 2]}
 SETTINGS = {"default": {}, "dct_scaling": {"dct_scaling": True}}
-
-
-def textured_jpeg(width: int, height: int, seed: int, quality: int, grey: bool = False) -> bytes:
-    """A smooth colour field with a few sharp shapes and grain, as JPEG: content at every frequency."""
-    rng = np.random.default_rng(seed)
-    coarse = rng.uniform(0, 255, (6, 8, 3)).astype(np.uint8)
-    field = np.asarray(Image.fromarray(coarse).resize((width, height), Image.Resampling.BICUBIC), np.float32)
-    for _ in range(6):  # rectangles with hard edges
-        x0, y0 = rng.integers(0, width), rng.integers(0, height)
-        x1, y1 = x0 + rng.integers(width // 10, width // 2), y0 + rng.integers(height // 10, height // 2)
-        field[y0:y1, x0:x1] = 0.5 * field[y0:y1, x0:x1] + rng.uniform(0, 128, 3)
-    field += rng.normal(0, rng.uniform(2, 12), (height, width, 1))
-    image = Image.fromarray(np.clip(field, 0, 255).astype(np.uint8))
-    buffer = io.BytesIO()
-    (image.convert("L") if grey else image).save(buffer, "JPEG", quality=quality)
-    return buffer.getvalue()
 
 
 def images() -> list[tuple[str, bytes]]:

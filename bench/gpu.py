@@ -3,9 +3,10 @@
 One command for a GPU machine that has Python, PyTorch with CUDA, torchvision, numpy and pytest but no
 network. The client's other packages travel as wheels (``--wheels``: ``make gpu-wheels`` fetches
 ``requirements/gpu-check.txt`` into ``.gpu-wheels/``), installed with ``pip --no-index --no-deps`` into
-a folder of their own that goes first on the path; the machine's torch is left as it is. Every part
-has a time cap inside ``--budget`` (seconds), so the run ends in time even where a part is slow; a part
-or case left without time is reported as cut (the headline says which), never as passed or failed.
+a folder of their own; the run goes on in a child with that folder first on its path, and the machine's torch
+is left as it is. Every part has a time cap inside ``--budget`` (seconds), so the run ends in time even
+where a part is slow; a part or case left without time is reported as cut (the headline says which), never
+as passed or failed.
 ``results.json`` and ``results.md`` are written again after each part, so a run stopped from outside
 keeps what it measured.
 
@@ -42,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import io
 import json
 import os
@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+INSTALLED = "BENCH_GPU_INSTALLED"  # set for the run on the carried wheels: the parent's results so far (JSON)
 SIZE = 224
 CLASSES = 1000
 DISTINCT = 16  # distinct images in the shards: sample i shows image i % DISTINCT (and has label i)
@@ -185,8 +186,9 @@ def check(entry: dict, name: str, ok: bool, detail: str) -> None:
 
 def install(wheels: Path, site: Path) -> dict:
     """The wheels in ``wheels`` installed into ``site`` (no index, no dependencies resolved: the
-    machine's own packages stay), ``site`` first on this process's path and its children's; and every
-    requirement of an installed wheel that the path does not meet."""
+    machine's own packages stay); and every requirement of an installed wheel that ``site`` and this
+    process's path together do not meet. The run goes on in a child with ``site`` first on its path
+    (``carried_env``)."""
     from importlib import metadata
 
     files = sorted(wheels.glob("*.whl"))
@@ -196,12 +198,10 @@ def install(wheels: Path, site: Path) -> dict:
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-index",
                     "--no-deps", "--no-compile", "--no-cache-dir", "--target", str(site), *map(str, files)],
                    check=True, timeout=120)
-    sys.path.insert(0, str(site))
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
-    importlib.invalidate_caches()
     from packaging.requirements import Requirement
     from packaging.version import Version
 
+    search = [str(site), *sys.path]  # the child's path: the carried wheels first
     unmet = []
     installed = []
     for dist in metadata.distributions(path=[str(site)]):
@@ -210,9 +210,8 @@ def install(wheels: Path, site: Path) -> dict:
             requirement = Requirement(text)
             if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
                 continue
-            try:
-                found = metadata.version(requirement.name)
-            except metadata.PackageNotFoundError:
+            found = next((d.version for d in metadata.distributions(name=requirement.name, path=search)), None)
+            if found is None:
                 unmet.append(f"{dist.metadata['Name']} needs {requirement}: not installed")
                 continue
             if not requirement.specifier.contains(Version(found), prereleases=True):
@@ -221,6 +220,22 @@ def install(wheels: Path, site: Path) -> dict:
               "installed": sorted(installed), "unmet": sorted(unmet)}
     check(result, "every requirement of the wheels met", not unmet, "; ".join(sorted(unmet)))
     return result
+
+
+def carried_env(site: Path, **extra: str) -> dict[str, str]:
+    """This environment with ``site`` first on PYTHONPATH: a child imports the carried wheels before the machine's."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p),
+            **extra}
+
+
+def on_carried_wheels(argv: list[str], site: Path, work: Path, budget: Budget, results: dict, started: float) -> int:
+    """The rest of the run in a child whose path has the carried wheels first; the child writes the results.
+
+    It gets the same arguments, the same work folder and the budget left; ``INSTALLED`` hands it what this
+    process measured so far (the install part, the start time, the command as given)."""
+    state = {"parts": results["parts"], "meta": results["meta"], "started": started}
+    command = [sys.executable, "-m", "bench.gpu", *argv, "--work", str(work), "--budget", f"{budget.left():.1f}"]
+    return subprocess.run(command, cwd=REPO, env=carried_env(site, **{INSTALLED: json.dumps(state)})).returncode
 
 
 def environment(smoke: bool) -> dict:
@@ -789,19 +804,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(argv if argv is not None else sys.argv[1:])
     args = parse_args(argv)
     started = time.time()
     budget = Budget(args.budget)
     results: dict[str, Any] = {"parts": {}, "meta": {
-        "command": "python -m bench.gpu " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m bench.gpu " + shlex.join(argv),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)), "budget_s": args.budget,
         "smoke": args.smoke}}
+    carried = os.environ.get(INSTALLED)
+    if carried:  # the run on the carried wheels: what the parent measured so far
+        state = json.loads(carried)
+        results["parts"], results["meta"] = state["parts"], state["meta"]
+        started = state["started"]
     out = args.out
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as temporary:
         work = args.work or Path(temporary)
         work.mkdir(parents=True, exist_ok=True)
-        if args.wheels is not None:
+        if args.wheels is not None and not carried:
             run_part(results, "install", lambda: install(args.wheels, work / "site"), budget, 0, out)
+            return on_carried_wheels(argv, work / "site", work, budget, results, started)
         results["environment"] = environment(args.smoke)
         cuda = results["environment"]["device"] is not None
         if not cuda and not args.smoke:

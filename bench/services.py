@@ -28,13 +28,8 @@ import psutil
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, BytesMessage, CloseConnection, Request
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from testbed.ports import free_port
+from testbed.service import REPO_ROOT, Service, base_env, serve_command
 
 
 class RssSampler:
@@ -88,45 +83,21 @@ class RssSampler:
         self._thread.join(timeout=2)
 
 
-class Server:
-    """A server subprocess on 127.0.0.1; ``stop()`` ends exactly the process tree it started."""
+class Server(Service):
+    """A server subprocess on 127.0.0.1 (``testbed.service.Service``), its memory sampled once it is ready."""
 
     def __init__(self, name: str, command: list[str], env: dict[str, str], log_dir: Path, port: int,
                  cwd: Path = REPO_ROOT):
-        self.name, self.port = name, port
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "wb")
-        self.process = subprocess.Popen(command, env=env, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT)
+        super().__init__(name, command, env, log_dir, port, cwd=cwd)
         self.rss: RssSampler | None = None
         self.idle_rss = 0
 
     def ready(self, timeout: float = 180.0) -> Server:
         """Wait for ``GET /health`` = 200 (bounded), then start sampling memory. Servers may start in parallel."""
-        self._wait_healthy(timeout)
+        self.wait_healthy(timeout)
         self.rss = RssSampler(self.process.pid)
         self.idle_rss = self.rss.current()
         return self
-
-    def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
-                    sock.sendall(b"GET /health HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n")
-                    if sock.recv(64).startswith(b"HTTP/1.1 200"):
-                        return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"{self.name} not healthy within {timeout:.0f}s:\n{self.log_tail()}")
-
-    def log_tail(self, chars: int = 3000) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-chars:]
 
     def cpu_seconds(self) -> float:
         """User + system CPU of the whole tree so far (for CPU per image)."""
@@ -143,24 +114,11 @@ class Server:
                 pass
         return total
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 15.0) -> float:
+        """The sampler, then the process tree (uvicorn's supervisor forwards SIGTERM to its workers)."""
         if self.rss is not None:
             self.rss.stop()
-        if self.process.poll() is None:
-            self.process.terminate()  # uvicorn's supervisor forwards it to its workers
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=5)
-        self._log.close()
-
-
-def base_env(**overrides: str) -> dict[str, str]:
-    """This environment without ETL_* settings of the caller's shell, plus ``overrides``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ETL_") and k != "AIS_TARGET_URL"}
-    env.update(overrides)
-    return env
+        return super().stop(grace)
 
 
 def start_service(log_dir: Path, fqn_root: Path, workers: int, extra_env: dict[str, str] | None = None,
@@ -172,8 +130,7 @@ def start_service(log_dir: Path, fqn_root: Path, workers: int, extra_env: dict[s
     port = free_port()
     env = base_env(ETL_WORKERS=str(workers), ETL_FQN_ROOTS=str(fqn_root), ETL_LOG_LEVEL="warning",
                    ETL_OBJ_TIMEOUT="900s", PYTHONPATH=str(source), **(extra_env or {}))
-    command = [sys.executable, "-m", "transformer", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    return Server(name, command, env, log_dir, port, cwd=source)
+    return Server(name, serve_command(port), env, log_dir, port, cwd=source)
 
 
 def start_peer(log_dir: Path, workers: int, name: str = "peer") -> Server:

@@ -26,8 +26,6 @@ import argparse
 import json
 import os
 import re
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,11 +38,9 @@ from urllib.parse import quote, urlencode
 
 import httpx
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # ``python bench/soak.py`` as well as ``python -m bench.soak``
-    sys.path.insert(0, str(REPO_ROOT))
-
-from tests.shardgen import jpeg_bytes, make_tar  # noqa: E402 - needs the repo root on sys.path
+from testbed.ports import free_port
+from testbed.service import Service, base_env, serve_command
+from testbed.shardgen import jpeg_bytes, make_tar
 
 HEALTH_P99_LIMIT_MS = 100.0
 RSS_GROWTH_LIMIT = 64 * 2**20  # bytes of RSS growth allowed after warm-up (allocator noise)
@@ -121,12 +117,6 @@ def workload(root: Path, samples: int) -> list[Kind]:
 # ----------------------------------------------------------------------------------- the service
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def proc_status(pid: int) -> dict[str, int]:
     with open(f"/proc/{pid}/status") as f:
         text = f.read()
@@ -137,32 +127,16 @@ def proc_status(pid: int) -> dict[str, int]:
     }
 
 
-class ServiceProcess:
+class ServiceProcess(Service):
+    """This service on a free port, as the soak drives it (``testbed.service.Service``), with its in-flight gauge."""
+
     def __init__(self, root: Path, workers: str, log_path: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ETL_") and k != "AIS_TARGET_URL"}
-        env.update(ETL_PRESET="imagenet-val", ETL_FQN_ROOTS=str(root), ETL_OBJ_TIMEOUT="60s", ETL_LOG_LEVEL="warning")
+        port = free_port()
+        env = base_env(ETL_PRESET="imagenet-val", ETL_FQN_ROOTS=str(root), ETL_OBJ_TIMEOUT="60s",
+                       ETL_LOG_LEVEL="warning")
         if workers:
             env["ETL_WORKERS"] = workers
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "transformer", "serve", "--host", "127.0.0.1", "--port", str(self.port)],
-            env=env, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-        )
-
-    def wait_healthy(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the service exited with {self.process.returncode}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"the service was not healthy within {timeout}s")
+        super().__init__(log_path.stem, serve_command(port), env, log_path.parent, port)
 
     def inflight(self) -> float:
         text = httpx.get(self.url + "/metrics", timeout=5).text
@@ -171,16 +145,7 @@ class ServiceProcess:
 
     def stop(self, grace: float = 30) -> float:
         """SIGTERM, wait for the graceful exit; returns the seconds it took."""
-        started = time.monotonic()
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
-        self._log.close()
-        return time.monotonic() - started
+        return super().stop(grace)
 
 
 # ---------------------------------------------------------------------------------------- the run
@@ -417,7 +382,7 @@ def run(args: argparse.Namespace) -> dict:
                     "client_nice": args.client_nice, "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(),
                     "kinds": {k.name: {"weight": k.weight, "expected_status": k.status} for k in kinds}}
     try:
-        service.wait_healthy()
+        service.wait_healthy(120)
         build_references(service, kinds)
         wait_idle(service)
         before = proc_status(service.process.pid)
@@ -473,7 +438,7 @@ def run(args: argparse.Namespace) -> dict:
         "loadavg_end": os.getloadavg(),
         "examples": {"wrong": tally.wrong[:5], "lost": tally.lost[:5], "health_failures": health_failures[:5]},
         "samples": samples,
-        "service_log": str(log_path),
+        "service_log": str(service.log_path),
     })
     report["criteria"] = {
         "no_lost_or_wrong_answers": not tally.lost and not tally.wrong and answered > 0,

@@ -1,7 +1,7 @@
 """A soak through a real AIS, pods killed as it runs: ``python -m bench.soak --through-ais --duration 1800``.
 
 The path training jobs depend on, for hours: reader -> AIS proxy -> target -> ETL pod -> reader, on
-the tests' real cluster (``tests/ais/etl_cluster.py``: a proxy and two targets in Kubernetes mode,
+the tests' real cluster (``testbed/etl_cluster.py``: a proxy and two targets in Kubernetes mode,
 each ETL pod run by the fake kubelet; in a network namespace of this process, so root or an
 unprivileged user namespace). The soak registers ETLs of its own, one per communication type
 (imagenet-train, uint8, seeded), and for ``--duration`` seconds:
@@ -10,7 +10,7 @@ unprivileged user namespace). The soak registers ETLs of its own, one per commun
   marker checked, a cut read fetched again and continued). Per ETL, ``--readers`` plain readers (the
   client's defaults: an ETL that is down is an error at once) and as many patient ones (they wait
   for the ETL to come back, up to ``--patience`` seconds, as a loader with long retries would).
-  They read good shards in two epochs and hostile shards (``tests/reliability/inputs.py``: broken
+  They read good shards in two epochs and hostile shards (``testbed/inputs.py``: broken
   images, decompression bombs, odd member names, gzip, cut tars, not a tar, a sample failing under
   ``on_error=fail``);
 * offline copies of the good shards (``transform_bucket``, through the hpush ETL, or the first one);
@@ -51,11 +51,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # ``python bench/soak_ais.py`` as well as ``python -m bench.soak``
-    sys.path.insert(0, str(REPO_ROOT))
+from bench.soak_watch import HealthProber, ProcessSampler, StageWatch, etl_stages
 
-from bench.soak_watch import HealthProber, ProcessSampler, StageWatch, etl_stages  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 COMMS = ("hpush", "hpull", "ws")
 SEED = 11
@@ -140,7 +138,7 @@ def hostile_shards(samples: int) -> dict[str, Hostile]:
     """Object name -> hostile shard, from the reliability tests' hostile inputs."""
     import tarfile
 
-    from tests.reliability.inputs import (
+    from testbed.inputs import (
         cut_inside_header,
         cut_inside_member,
         garbage_jpeg,
@@ -151,7 +149,7 @@ def hostile_shards(samples: int) -> dict[str, Hostile]:
         png_bomb,
         truncated_jpeg,
     )
-    from tests.shardgen import make_tar
+    from testbed.shardgen import make_tar
 
     good = good_members(samples)
     broken = good[:2] + [("s09001.jpg", truncated_jpeg()), ("s09002.jpg", garbage_jpeg()),
@@ -376,7 +374,8 @@ class Soak:
     # -- setup ----------------------------------------------------------------------------------------
 
     def setup(self) -> None:
-        from tests.ais.etl.conftest import settings, shard_bytes
+        from testbed.etl_cluster import settings
+        from testbed.shardgen import shard_bytes
         from transformer.client import register, shard_urls
 
         options = self.options
@@ -821,8 +820,8 @@ def options_from(args: argparse.Namespace) -> Options:
 
 def main(argv: list[str] | None = None) -> int:
     from bench.soak_report import write_report
-    from tests.ais.cluster import install_aisnode
-    from tests.ais.etl_cluster import NODES, enter_network_namespace, start_etl_cluster
+    from testbed.cluster import install_aisnode
+    from testbed.etl_cluster import NODES, enter_network_namespace, start_etl_cluster
 
     parser = argparse.ArgumentParser(prog="python -m bench.soak --through-ais", description=__doc__.splitlines()[0])
     add_arguments(parser)

@@ -1,7 +1,7 @@
 """The cost AIS adds: the same shards through a real AIS target (inline hpush, inline ws, an offline copy)
 beside the same pods driven directly, side by side in one run.
 
-The cluster is the tests' real AIS with ETL (``tests/ais/etl_cluster.py``: a proxy and two targets in
+The cluster is the tests' real AIS with ETL (``testbed/etl_cluster.py``: a proxy and two targets in
 Kubernetes mode, each ETL pod a local ``wds-transform serve``, all in a network namespace of this
 process; needs root or an unprivileged user namespace, and Go for the first aisnode build). Cases, in
 an order rotated every round:
@@ -17,7 +17,7 @@ CPU seconds of the pods, of aisnode (proxy and targets), and of the reader, over
 ``register`` (``ais etl init`` until every pod is Running and ready) is timed too.
 
 ``--pods both`` runs every case twice in each round, once with ETL pods as local processes and once as
-podman containers of the image ``make image`` built (root, podman; ``tests/ais/pods.py``), side by side.
+podman containers of the image ``make image`` built (root, podman; ``testbed/pods.py``), side by side.
 
     python -m bench.through_ais [--shards 8] [--samples 64] [--rounds 3] [--pods process|container|both]
                                 [--out bench/results/through-ais]
@@ -38,8 +38,7 @@ from urllib.parse import quote
 
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.shardgen import imagenet_like_members, make_tar  # noqa: E402 - needs the repo root on sys.path
+from testbed.shardgen import imagenet_like_members, make_tar
 
 CASES = ("direct", "inline-hpush", "inline-ws", "offline")
 ARGS = {"preset": "imagenet-train", "dtype": "float32", "seed": 5}
@@ -65,7 +64,7 @@ def measure(cluster, client, *, shards: int = 8, samples: int = 64, rounds: int 
     """
     from aistore.sdk.etl import ETLConfig
 
-    from tests.ais.etl.conftest import settings
+    from testbed.etl_cluster import settings
     from transformer.client import register, transform_bucket, unregister
 
     names = [f"bench-{i:04d}.tar" for i in range(shards)]
@@ -209,9 +208,8 @@ def main() -> int:
                         help="ETL pods as local processes, as containers of the built image, or both side by side")
     parser.add_argument("--out", type=Path, default=Path("bench/results/through-ais"))
     options = parser.parse_args()
-    from tests.ais.cluster import install_aisnode
-    from tests.ais.etl.conftest import IMAGE
-    from tests.ais.etl_cluster import NODES, enter_network_namespace, pod_runtime, start_etl_cluster
+    from testbed.cluster import install_aisnode
+    from testbed.etl_cluster import IMAGE, NODES, enter_network_namespace, pod_runtime, start_etl_cluster
 
     kinds = ("process", "container") if options.pods == "both" else (options.pods,)
     runtimes = {kind: pod_runtime(kind) for kind in kinds}

@@ -39,7 +39,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CONTAINERS_CONF = REPO / "scripts" / "containers.conf"
-# The one local name of the built image: the fake kubelet (tests/ais/pods.py) runs it for any
+# The one local name of the built image: the fake kubelet (testbed/pods.py) runs it for any
 # image AIS asks for whose repository is ais-wds-transformer (k8s/etl-spec.yaml's, the tests').
 IMAGE = os.environ.get("AIS_WDS_IMAGE", "localhost/ais-wds-transformer:dev")
 STAND_IN = "localhost/ais-wds-transformer-base:py{python}-{suite}"

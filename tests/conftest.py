@@ -88,7 +88,7 @@ def make_options(settings: Settings) -> Callable[..., TransformOptions]:
 @pytest.fixture
 def make_sample() -> Callable[[list[tuple[str, bytes]]], Sample]:
     """The single sample that a tar of these (name, bytes) members groups into."""
-    from tests.shardgen import make_tar
+    from testbed.shardgen import make_tar
     from transformer.shards import read_samples
 
     def build(members: list[tuple[str, bytes]]) -> Sample:

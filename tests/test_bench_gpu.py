@@ -115,23 +115,21 @@ def wheel(folder: Path, name: str, requires: list[str]) -> Path:
     return path
 
 
-def test_carried_wheels_go_first_on_the_path_and_unmet_requirements_are_named(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_carried_wheels_go_first_on_the_path_and_unmet_requirements_are_named(tmp_path: Path) -> None:
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     wheel(wheels, "carried_probe", ["numpy>=1", "absent-package-xyz>=1", "numpy<1; python_version<'3'",
                                     "other>=1; extra == 'more'"])
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.setenv("PYTHONPATH", "")
     found = gpu.install(wheels, tmp_path / "site")
     assert found["installed"] == ["carried_probe==1.0"]
     assert found["unmet"] == ["carried_probe needs absent-package-xyz>=1: not installed"]
     assert found["status"] == "failed" and found["reason"] == "every requirement of the wheels met"
-    import carried_probe
-
-    assert carried_probe.VALUE == 7 and Path(carried_probe.__file__).parent == tmp_path / "site"
-    assert gpu.os.environ["PYTHONPATH"].split(gpu.os.pathsep)[0] == str(tmp_path / "site")
-    sys.modules.pop("carried_probe")
+    assert "carried_probe" not in sys.modules  # this process's path is left as it is: the run goes on in a child
+    env = gpu.carried_env(tmp_path / "site")
+    assert env["PYTHONPATH"].split(gpu.os.pathsep)[0] == str(tmp_path / "site")
+    child = subprocess.run([sys.executable, "-c", "import carried_probe; print(carried_probe.__file__)"], env=env,
+                           cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True)
+    assert Path(child.stdout.strip()).parent == tmp_path / "site"
     with pytest.raises(RuntimeError, match="no wheels"):
         gpu.install(tmp_path / "site", tmp_path / "elsewhere")
 

@@ -15,8 +15,8 @@ import pytest
 from bench.soak_ais import Bounds, Gate, Kill, Kind, OfflineCopy, Options, Read, Soak, digest, etl_down
 from bench.soak_report import build_report, load_report, main, markdown, write_report
 from bench.soak_watch import HealthProber, Probe, StageWatch
+from testbed.shardgen import make_tar, sealed
 from tests.httpserve import StaticServer
-from tests.shardgen import make_tar, sealed
 from transformer.client import ShardFetchError
 from transformer.client.reading import shard_samples
 

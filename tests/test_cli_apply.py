@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.shardgen import imagenet_like_shard, jpeg_bytes, make_tar, read_tar
+from testbed.shardgen import imagenet_like_shard, jpeg_bytes, make_tar, read_tar
 from transformer.cli import main
 from transformer.config import VARIABLES, Settings
 from transformer.engine import ERROR_MANIFEST_NAME, transform_shard

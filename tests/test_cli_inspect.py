@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from testbed.shardgen import jpeg_bytes, make_tar, read_tar
 from tests.httpserve import QuietServer
-from tests.shardgen import jpeg_bytes, make_tar, read_tar
 from transformer.cli import main
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tlscerts import TlsFiles, make_tls_files
+from testbed.tlscerts import TlsFiles, make_tls_files
 from transformer import config
 from transformer.config import (
     VARIABLES,

@@ -13,8 +13,7 @@ from PIL import Image
 from prometheus_client import generate_latest
 from torchvision.transforms import v2
 
-from bench.accuracy import textured_jpeg
-from tests.shardgen import jpeg_bytes, photo, png_bytes, torchvision_decode, trimap_bytes
+from testbed.shardgen import jpeg_bytes, photo, png_bytes, textured_jpeg, torchvision_decode, trimap_bytes
 from transformer import samples as samples_module
 from transformer.cropdecode import Window, window_of
 from transformer.errors import SampleTransformError

@@ -13,7 +13,7 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from tests.shardgen import read_tar
+from testbed.shardgen import read_tar
 from transformer.cli import main
 from transformer.demo import CLASSES, PHOTOGRAPHS, _photo, make_sample, make_shards
 from transformer.errors import TransformerError

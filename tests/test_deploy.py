@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +39,9 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from websockets.sync.client import connect
 
+from testbed.ports import free_port
+from testbed.service import Service
+from testbed.shardgen import imagenet_like_members, make_tar, read_tar
 from tests.deploy_files import (
     DOCKERFILE,
     REPO,
@@ -55,7 +57,6 @@ from tests.deploy_files import (
     memory_bytes,
     yaml_documents,
 )
-from tests.shardgen import imagenet_like_members, make_tar, read_tar
 from transformer.config import VARIABLES, Settings, parse_duration
 
 KUBERNETES_VERSION = "1.37"  # a current release; kubernetes-validate ships its schemas
@@ -387,12 +388,6 @@ def test_image_pip_steps_replayed_against_pypi(dockerfile: Dockerfile, tmp_path:
 # --- the entry command -------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _image_env(dockerfile: Dockerfile, port: int) -> dict[str, str]:
     """The image's ENV on top of this environment, minus the developer's ETL_* settings; loopback only."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETL_") and k not in AIS_SET_ENV}
@@ -404,58 +399,27 @@ def _image_env(dockerfile: Dockerfile, port: int) -> dict[str, str]:
     return env
 
 
-class ImageProcess:
+class ImageProcess(Service):
     """The Dockerfile's ENTRYPOINT + CMD, run with the image's ENV from a directory outside the repo."""
 
     def __init__(self, dockerfile: Dockerfile, workdir: Path):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.env = _image_env(dockerfile, self.port)
+        port = free_port()
+        env = _image_env(dockerfile, port)
         argv = dockerfile.final.exec_form("ENTRYPOINT") + dockerfile.final.exec_form("CMD")
-        executable = shutil.which(argv[0], path=self.env["PATH"])
+        executable = shutil.which(argv[0], path=env["PATH"])
         assert executable, f"{argv[0]} (ENTRYPOINT) is not installed next to {sys.executable}"
         self.argv = [executable, *argv[1:]]
-        self.log_path = workdir / "image.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.started = time.monotonic()
-        self.process = subprocess.Popen(self.argv, env=self.env, cwd=workdir, stdout=self._log,
-                                        stderr=subprocess.STDOUT)
-        self.ready_after = self._wait_healthy()
-
-    def _wait_healthy(self) -> float:
-        while time.monotonic() - self.started < START_TIMEOUT:
-            if self.process.poll() is not None:
-                raise AssertionError(f"entry command exited with {self.process.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return time.monotonic() - self.started
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        self.stop()
-        raise AssertionError(f"no /health within {START_TIMEOUT}s:\n{self.log()}")
-
-    def log(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def stop(self, timeout: float = 30) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
-        self._log.close()
-        return self.process.returncode
+        started = time.monotonic()
+        super().__init__("image", self.argv, env, workdir, port, cwd=workdir)
+        self.wait_healthy(START_TIMEOUT)
+        self.ready_after = time.monotonic() - started
 
 
 @pytest.fixture(scope="module")
 def image(dockerfile: Dockerfile, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ImageProcess]:
     process = ImageProcess(dockerfile, tmp_path_factory.mktemp("image"))
     yield process
-    process.stop()
+    process.stop(grace=30)
 
 
 def test_entry_command_is_the_installed_console_script(dockerfile: Dockerfile) -> None:
@@ -540,11 +504,11 @@ def test_entry_command_stops_cleanly_on_sigterm(dockerfile: Dockerfile, tmp_path
     by itself, not after the kill at the end of the grace period."""
     process = ImageProcess(dockerfile, tmp_path)
     started = time.monotonic()
-    code = process.stop(timeout=20)
-    assert time.monotonic() - started < 20, process.log()
+    process.stop(grace=20)
+    assert time.monotonic() - started < 20, process.log_tail()
     # uvicorn re-raises the captured SIGTERM after its graceful shutdown, hence -SIGTERM (143 in a pod).
-    assert code in (0, -signal.SIGTERM), process.log()
-    assert "Finished server process" in process.log()
+    assert process.process.returncode in (0, -signal.SIGTERM), process.log_tail()
+    assert "Finished server process" in process.log_tail()
     _, command = dockerfile.final.healthcheck()
     probe = subprocess.run([shutil.which(command[0], path=process.env["PATH"]), *command[1:]], env=process.env,
                            capture_output=True, timeout=10)

@@ -21,9 +21,9 @@ REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 MAX_README_LINES = 200
 MAX_README_WIDTH = 120
-SOURCE_FOLDERS = ("transformer", "bench", "tests", "examples")
+SOURCE_FOLDERS = ("transformer", "bench", "tests", "testbed", "examples")
 BUILD_FILES = ("Dockerfile", "Makefile", "pyproject.toml")
-REPO_PATH = re.compile(r"(?:docs|bench|transformer|tests|k8s|examples)/\S*")
+REPO_PATH = re.compile(r"(?:docs|bench|transformer|tests|testbed|k8s|examples)/\S*")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 CODE_SPAN = re.compile(r"(`+)(.+?)\1")
 FENCE = re.compile(r"^ {0,3}(```|~~~).*?^ {0,3}\1[^\n]*$", re.M | re.S)
@@ -31,7 +31,7 @@ HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
 # A docs/ path, or a repo file named by its path from the root (tests/..., bench/..., ...).
 BENCH_COMMAND = re.compile(r"python3? -m (bench(?:\.\w+)+)")
 DOCS_IN_SOURCE = re.compile(r"(?<![\w/.%-])(?:docs/[\w.-]+(?:/[\w.-]+)*|"
-                            r"(?:tests|bench|transformer|examples)/[\w/.-]+\.(?:py|md))")
+                            r"(?:tests|testbed|bench|transformer|examples)/[\w/.-]+\.(?:py|md))")
 
 
 def documents() -> list[Path]:

@@ -7,7 +7,7 @@ import tarfile
 
 import pytest
 
-from tests.shardgen import jpeg_bytes, make_tar, sealed
+from testbed.shardgen import jpeg_bytes, make_tar, sealed
 from transformer.errors import ShardError
 from transformer.integrity import TAIL_BYTES, marker_from_tail
 

@@ -15,7 +15,7 @@ from concurrent.futures import CancelledError
 import pytest
 import webdataset as wds
 
-from tests.shardgen import jpeg_bytes, make_tar, read_output, read_tar
+from testbed.shardgen import jpeg_bytes, make_tar, read_output, read_tar
 from transformer import engine
 from transformer import pool as pool_module
 from transformer.config import Settings

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 CARRIED = REPO / "requirements" / "gpu-check.txt"
 MACHINE = REPO / "requirements" / "gpu-machine.txt"
 WHEELS = REPO / ".gpu-wheels"
-LOCAL = ("transformer", "tests", "bench", "examples")
+LOCAL = ("transformer", "tests", "testbed", "bench", "examples")
 # The GPU machine's interpreter and platform, for environment markers.
 MARKERS = {"python_version": "3.12", "python_full_version": "3.12.0", "sys_platform": "linux",
            "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",

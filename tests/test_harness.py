@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.contract.harness import Service, base_env, free_port
+from testbed.ports import free_port
+from testbed.service import Service, base_env
 
 SILENT = [sys.executable, "-c", "import sys, time; print('never healthy', flush=True); time.sleep(60)"]
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.shardgen import jpeg_bytes, make_tar, read_tar
+from testbed.shardgen import jpeg_bytes, make_tar, read_tar
 from transformer.cli import main
 from transformer.config import VARIABLES, Settings
 from transformer.demo import CLASSES, make_shards

@@ -17,7 +17,7 @@ from PIL import Image, ImageFile, features
 from torchvision.io import ImageReadMode
 from torchvision.transforms import v2
 
-from tests.shardgen import jpeg_bytes, photo, png_bytes, torchvision_decode, trimap_bytes
+from testbed.shardgen import jpeg_bytes, photo, png_bytes, torchvision_decode, trimap_bytes
 from transformer import samples as samples_module
 from transformer.config import Settings
 from transformer.errors import SampleTransformError

@@ -13,7 +13,7 @@ import tarfile
 import pytest
 import webdataset as wds
 
-from tests.shardgen import make_tar
+from testbed.shardgen import make_tar
 from transformer.errors import ShardError
 from transformer.shards import Member, Sample, json_member, member_bytes, read_samples
 from transformer.wire import BLOCK, END_OF_ARCHIVE

@@ -14,7 +14,7 @@ import torch
 from torchvision import tv_tensors
 from torchvision.transforms import InterpolationMode, v2
 
-from tests.shardgen import photo
+from testbed.shardgen import photo
 from transformer.errors import OptionsError
 from transformer.spec import (
     ALLOWED,

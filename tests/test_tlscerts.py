@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tlscerts import OpensslUnavailable, make_tls_files
+from testbed.tlscerts import OpensslUnavailable, make_tls_files
 
 
 def test_without_openssl_the_tls_files_are_an_error_naming_it(tmp_path: Path,

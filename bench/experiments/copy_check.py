@@ -2,7 +2,7 @@
 on a bucket of small ETL'd shards through a real AIS, beside the listing alone (its floor) and beside
 reading every object whole through the strict reader (the check a tail read replaces), in one run.
 
-The cluster is the tests' real AIS with ETL (``tests/ais/etl_cluster.py``: a proxy and two targets, each
+The cluster is the tests' real AIS with ETL (``testbed/etl_cluster.py``: a proxy and two targets, each
 ETL pod a local ``wds-transform serve``, in a network namespace of this process). The copy is made once
 by ``transform_bucket`` from ``--objects`` one-sample shards; every round then runs each case, in an
 order rotated every round:
@@ -31,11 +31,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.shardgen import jpeg_bytes, make_tar  # noqa: E402 - needs the repo root on sys.path
+from testbed.shardgen import jpeg_bytes, make_tar
 
 CASES = ("list", "check", "read-whole")
-OPTIONS = {"preset": "imagenet-val", "dtype": "uint8", "seed": 7}  # what tests.ais.etl.conftest.settings() registers
+OPTIONS = {"preset": "imagenet-val", "dtype": "uint8", "seed": 7}  # what testbed.etl_cluster.settings() registers
 
 
 def measure(client, etl: str, *, objects: int = 300, rounds: int = 3,
@@ -123,9 +122,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench/results/copy-check"))
     options = parser.parse_args()
-    from tests.ais.cluster import install_aisnode
-    from tests.ais.etl.conftest import settings
-    from tests.ais.etl_cluster import NODES, enter_network_namespace, start_etl_cluster
+    from testbed.cluster import install_aisnode
+    from testbed.etl_cluster import NODES, enter_network_namespace, settings, start_etl_cluster
     from transformer.client import register, unregister
 
     binary = install_aisnode(log=lambda message: print(message, file=sys.stderr))

@@ -93,10 +93,10 @@ def measure(args: argparse.Namespace, work: Path, trees: dict[str, Path]) -> lis
     return runs
 
 
-# Run in the version's own tree (its transformer and bench packages first on the path).
+# Run in the version's own tree: ``python -c`` puts its working folder first on the path, so that tree's
+# transformer and bench packages are the ones imported.
 CHILD = """
 import json, sys, time
-sys.path.insert(0, ".")
 from bench.client_side import _disk_loader
 spec = json.loads(sys.argv[1])
 loader = _disk_loader(spec["paths"], spec["batch_size"], spec["buffer"], spec["workers"])

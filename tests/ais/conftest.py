@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from .cluster import AisnodeUnavailable, LocalCluster, install_aisnode, start_cluster
+from testbed.cluster import AisnodeUnavailable, LocalCluster, install_aisnode, start_cluster
 
 _BINARY = pytest.StashKey[object]()
 

@@ -8,10 +8,10 @@ import sys
 import time
 from pathlib import Path
 
-from .cluster import Node, stop_nodes
-from .etl_cluster import EtlCluster
-from .kube import FakeKubernetes
-from .pods import ProcessRuntime
+from testbed.cluster import Node, stop_nodes
+from testbed.etl_cluster import EtlCluster
+from testbed.kube import FakeKubernetes
+from testbed.pods import ProcessRuntime
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 IGNORES_SIGTERM = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "

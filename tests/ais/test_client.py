@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from testbed.cluster import LocalCluster
+from testbed.service import base_env
+from testbed.shardgen import jpeg_bytes
 from tests.client.test_convert import make_pets
-from tests.contract.harness import base_env
-from tests.shardgen import jpeg_bytes
 from transformer.client import (
     ClientError,
     EtlRequestError,
@@ -30,8 +31,6 @@ from transformer.client import (
     transform_bucket,
     unregister,
 )
-
-from .cluster import LocalCluster
 
 pytestmark = pytest.mark.ais
 NO_KUBERNETES = ("k8s client is not initialized (non-Kubernetes deployment?)", "the operation requires Kubernetes")

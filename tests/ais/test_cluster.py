@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from . import cluster as ais
-from .cluster import LocalCluster, start_cluster
+from testbed import cluster as ais
+from testbed.cluster import LocalCluster, start_cluster
 
 pytestmark = pytest.mark.ais
 REPO = Path(__file__).resolve().parents[2]

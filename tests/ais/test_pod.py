@@ -18,11 +18,12 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-from tests.contract.harness import Service, base_env, fqn_query, start_transformer
-from tests.shardgen import jpeg_bytes, make_tar, read_output
+from testbed.cluster import LocalCluster
+from testbed.service import Service, base_env, start_transformer
+from testbed.shardgen import jpeg_bytes, make_tar, read_output
+from tests.contract.harness import fqn_query
 from transformer.wire import path_escape
 
-from .cluster import LocalCluster
 from .etl_objects import EtlObjectRelay
 
 pytestmark = pytest.mark.ais

@@ -3,7 +3,7 @@
 The service is ``python -m transformer serve`` in a subprocess on 127.0.0.1 (the contract suite's
 harness), reading shards through ``etl_fqn`` from a temporary mountpath in the AIS layout; the fake
 proxy stores its objects in that same mountpath and redirects ETL GETs to the service as an AIS
-target does for ``hpull://``. Shards hold small real photographs (``tests.shardgen``) so a run stays
+target does for ``hpull://``. Shards hold small real photographs (``testbed.shardgen``) so a run stays
 quick on two cores.
 
 The tests that need the pod's side (its engine, or the service: FastAPI, uvicorn, simplejpeg,
@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from testbed.shardgen import jpeg_bytes, make_tar
 from tests.httpserve import QuietServer
-from tests.shardgen import jpeg_bytes, make_tar
 
 from .fake_proxy import FakeProxy
 
 if TYPE_CHECKING:
-    from tests.contract.harness import Service
+    from testbed.service import Service
 
 HERE = Path(__file__).resolve().parent
 # The fixtures that run the pod's side, and why a test using one is marked ``server``.
@@ -61,7 +61,7 @@ def mountpath(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def service(mountpath: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    from tests.contract.harness import base_env, start_transformer
+    from testbed.service import base_env, start_transformer
 
     env = base_env(ETL_FQN_ROOTS=str(mountpath), ETL_WORKERS="2", ETL_OBJ_TIMEOUT="60s", ETL_LOG_LEVEL="warning")
     server = start_transformer("client-suite-transformer", tmp_path_factory.mktemp("logs"), env)
@@ -107,13 +107,13 @@ SAMPLES = 6
 
 @pytest.fixture(scope="session")
 def whole() -> bytes:
-    """A shard in the service's output format, written here (``tests.shardgen``): 6 samples of a uint8
+    """A shard in the service's output format, written here (``testbed.shardgen``): 6 samples of a uint8
     (3, 32, 32) ``.npy`` (filled with the sample's number) and its ``.cls``, then the end marker, which
     records what ``pod_whole`` was made from (its input's digest, its settings, the version).
     ``pod_whole`` is the service's own; a test checks that the two have the same members at the same offsets."""
     import numpy as np
 
-    from tests.shardgen import npy_bytes, sealed
+    from testbed.shardgen import npy_bytes, sealed
     from transformer import __version__
     from transformer.config import Settings
     from transformer.integrity import InputDigest

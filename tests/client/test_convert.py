@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.shardgen import jpeg_bytes, make_tar, trimap_bytes
+from testbed.shardgen import jpeg_bytes, make_tar, trimap_bytes
 from transformer.client import ShuffleError, convert, shuffle_shards
 from transformer.client.errors import ConvertError
 from transformer.client.shuffle import dsort_framework

@@ -17,7 +17,7 @@ STEP = re.compile(r"step (\d+): loss (\d+\.\d+), .* loader errors (\d+), batch (
 
 
 def run(*args: str, cwd: Path = EXAMPLE.parents[1]) -> subprocess.CompletedProcess:
-    from tests.contract.harness import base_env
+    from testbed.service import base_env
 
     return subprocess.run(
         [sys.executable, str(EXAMPLE), "--batch-size", "4", "--workers", "1", "--arch", "mobilenet_v3_small",

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.shardgen import make_tar, read_output, sealed
+from testbed.shardgen import make_tar, read_output, sealed
 from transformer.client import ClientError, EtlSettings, register, transform_bucket
 from transformer.client.incremental import PROBE_LIFETIME, PROBE_PREFIX, find_changes, sweep_probes
 from transformer.integrity import marker_from_tail
@@ -22,7 +22,7 @@ from .conftest import labelled_shard
 from .fake_proxy import FakeProxy
 
 if TYPE_CHECKING:
-    from tests.contract.harness import Service
+    from testbed.service import Service
 
 IMAGE = "registry.local/ais-wds-transformer:0.1.0"
 ETL = EtlSettings(image=IMAGE, comm_type="hpush", transforms=[{"Resize": {"size": [16, 16]}}], dtype="uint8",
@@ -34,7 +34,7 @@ SHARDS = [f"val/shard-{i}.tar" for i in range(6)]
 @pytest.fixture(scope="module")
 def sync_pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Service, Path]]:
     """The pod AIS would start for the ETL: its registered environment is all it knows."""
-    from tests.contract.harness import base_env, start_transformer
+    from testbed.service import base_env, start_transformer
 
     mountpath = tmp_path_factory.mktemp("sync-mountpath")
     env = base_env(**ETL.environment(), ETL_FQN_ROOTS=str(mountpath), ETL_WORKERS="2", ETL_LOG_LEVEL="warning")

@@ -12,8 +12,8 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import numpy as np
 import pytest
 
+from testbed.shardgen import read_output
 from tests.httpserve import StaticServer
-from tests.shardgen import read_output
 from transformer.client import (
     EtlSettings,
     IncompleteCopy,
@@ -31,7 +31,7 @@ from .conftest import labelled_shard
 from .fake_proxy import FakeProxy
 
 if TYPE_CHECKING:
-    from tests.contract.harness import Service
+    from testbed.service import Service
 
 IMAGE = "registry.local/ais-wds-transformer:0.1.0"
 VAL = EtlSettings(image=IMAGE, comm_type="hpush", transforms=[{"Resize": {"size": [16, 16]}}], dtype="uint8",
@@ -42,7 +42,7 @@ VAL_OPTIONS = {"transforms": [{"Resize": {"size": [16, 16]}}], "dtype": "uint8",
 @pytest.fixture(scope="module")
 def val_pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Service, Path]]:
     """The pod AIS would start for the VAL ETL: the registered environment is all it knows."""
-    from tests.contract.harness import base_env, start_transformer
+    from testbed.service import base_env, start_transformer
 
     mountpath = tmp_path_factory.mktemp("offline-mountpath")
     env = base_env(**VAL.environment(), ETL_FQN_ROOTS=str(mountpath), ETL_WORKERS="2", ETL_LOG_LEVEL="warning")

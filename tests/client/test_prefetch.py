@@ -168,7 +168,7 @@ def test_uint8_normalized_here_is_the_pods_float32_within_its_quantization(pool_
     """The same seeded shard through the pod's engine as uint8 and as float32 (random crops and flips,
     ImageNet normalization): the uint8 images normalized by the CPU path are the pod's float32 images
     within the uint8 quantization, half a step (0.5/255) per pixel before normalization."""
-    from tests.shardgen import imagenet_like_shard, read_output
+    from testbed.shardgen import imagenet_like_shard, read_output
     from transformer.config import Settings
     from transformer.engine import transform_shard
     from transformer.options import options_from_mapping

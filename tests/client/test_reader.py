@@ -14,7 +14,7 @@ import pytest
 import torch
 from webdataset.tariterators import base_plus_ext
 
-from tests.shardgen import make_tar, npy_bytes, sealed
+from testbed.shardgen import make_tar, npy_bytes, sealed
 from transformer.client import ErrorCounter, make_loader
 from transformer.client.reading import MalformedMember, shard_samples, split_key
 from transformer.wire import plain_file, plain_member, ustar_header

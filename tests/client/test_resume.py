@@ -27,7 +27,7 @@ from .test_loader import write_shards
 from .test_service_loader import registered
 
 if TYPE_CHECKING:
-    from tests.contract.harness import Service
+    from testbed.service import Service
 
 PER_SHARD = 5
 SHARDS = 6

@@ -23,7 +23,7 @@ from .conftest import SMALL, labelled_shard
 from .fake_proxy import FakeProxy
 
 if TYPE_CHECKING:
-    from tests.contract.harness import Service
+    from testbed.service import Service
 
 PER_SHARD = 4
 KEYS = ("npy", "cls", "__key__")
@@ -97,7 +97,7 @@ def test_epoch_urls_give_new_draws_per_epoch_and_repeat_with_the_seed(served_pro
 def test_failed_samples_are_skipped_by_the_service_and_the_manifest_is_invisible(
         served_proxy: FakeProxy, service: Service) -> None:
     bucket = fill_bucket(served_proxy, 1)
-    from tests.shardgen import make_tar, read_tar
+    from testbed.shardgen import make_tar, read_tar
 
     members = read_tar(served_proxy.fqn(bucket, "train/train-000.tar").read_bytes())
     members[2] = ("sample-00001.jpg", b"\xff\xd8 not really a jpeg")

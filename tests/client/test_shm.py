@@ -24,7 +24,7 @@ LOAD = textwrap.dedent("""
     import io, json, sys, tarfile
     from pathlib import Path
     import numpy as np
-    from tests.shardgen import npy_bytes, sealed
+    from testbed.shardgen import npy_bytes, sealed
     from transformer.client import SharedMemoryError, make_loader
 
     folder, side, batch, workers, prefetch, shuffle = sys.argv[1:]

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import webdataset as wds
 
-from tests.shardgen import make_tar, read_tar
+from testbed.shardgen import make_tar, read_tar
 from transformer.client import ClientError, ErrorCounter, IncompleteShard, make_loader, shard_urls
 from transformer.client.dali import EtlBatchSource
 from transformer.client.reading import tarfile_to_whole_samples
@@ -29,7 +29,7 @@ from .fake_proxy import FakeProxy
 from .test_service_loader import fill_bucket
 
 if TYPE_CHECKING:
-    from tests.contract.harness import Service
+    from testbed.service import Service
 
 KEYS = ("npy", "cls", "__key__")
 TARGET_ERROR = json.dumps({"message": "ETL wds-etl: failed to copy the transformed object: unexpected EOF",

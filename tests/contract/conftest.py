@@ -14,8 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .fake_ais import FakeStage, FakeTarget
-from .harness import Service, base_env, start_reference, start_transformer
+from testbed.fake_ais import FakeStage, FakeTarget
+from testbed.service import Service, base_env, start_transformer
+
+from .harness import start_reference
 
 ETL_NAME = "wds-etl"
 SECRET = "Sec4et9XyZ"

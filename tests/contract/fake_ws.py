@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
-from .fake_ais import go_path_escape
+from testbed.fake_ais import go_path_escape
 
 REPLY_TIMEOUT = 60.0
 MAX_MESSAGE = 16 * 2**30  # the target's conn.SetReadLimit(maxMsgSize)

@@ -14,7 +14,7 @@ import tarfile
 
 import numpy as np
 
-from tests.shardgen import imagenet_like_members, jpeg_bytes, make_tar, read_output, read_tar, trimap_bytes
+from testbed.shardgen import imagenet_like_members, jpeg_bytes, make_tar, read_output, read_tar, trimap_bytes
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 MASK_EXTS = ("trimap.png", "mask.png", "seg.png")

@@ -8,11 +8,13 @@ import time
 import httpx
 import pytest
 
-from tests.shardgen import imagenet_like_members, make_tar, read_tar
+from testbed.fake_ais import FakeStage, FakeTarget, Fault
+from testbed.ports import free_port
+from testbed.service import Service
+from testbed.shardgen import imagenet_like_members, make_tar, read_tar
 
 from .conftest import AisDisk
-from .fake_ais import FakeStage, FakeTarget, Fault, unused_port
-from .harness import Service, args_query, escaped_uname, fqn_query, uname
+from .harness import args_query, escaped_uname, fqn_query, uname
 from .outputs import assert_transformed, image_shard
 from .test_ops import _settled, _value
 
@@ -114,7 +116,7 @@ def test_direct_put_destination_error_is_propagated_never_204(client: httpx.Clie
 
 
 def test_direct_put_destination_unreachable_fails_within_obj_timeout(impatient: Service) -> None:
-    entry = f"http://127.0.0.1:{unused_port()}/{escaped_uname('dst', 'nowhere.tar')}?owt=3"
+    entry = f"http://127.0.0.1:{free_port()}/{escaped_uname('dst', 'nowhere.tar')}?owt=3"
     started = time.monotonic()
     response = httpx.put(f"{impatient.url}/src/nowhere.tar", content=image_shard(1), headers={NODE_URL: entry},
                          timeout=20)
@@ -250,7 +252,7 @@ def test_errors_never_reveal_the_etl_secret(client: httpx.Client, impatient: Ser
                                             dest_target: FakeTarget) -> None:
     # The secret in AIS_TARGET_URL guards pod->target object I/O (ais/tgtetl.go); error bodies end up in
     # `ais etl show errors` for any user to read, so URLs in them must not carry it.
-    unreachable = f"http://127.0.0.1:{unused_port()}/{escaped_uname('dst', 'leak.tar')}?owt=3"
+    unreachable = f"http://127.0.0.1:{free_port()}/{escaped_uname('dst', 'leak.tar')}?owt=3"
     target.set_fault(uname("src", "leak-503.tar"), Fault(status=503, body=b"busy"))
     target.objects[uname("src", "leak-503.tar")] = image_shard(1)
     dest_target.set_fault("*", Fault(stall=6.0))

@@ -14,7 +14,7 @@ import time
 import h11
 import httpx
 
-from tests.shardgen import imagenet_like_members, jpeg_bytes, make_tar, read_tar
+from testbed.shardgen import imagenet_like_members, jpeg_bytes, make_tar, read_tar
 
 from .harness import args_query
 

@@ -7,11 +7,12 @@ import time
 
 import httpx
 
-from tests.shardgen import imagenet_like_members, make_tar, read_tar
+from testbed.fake_ais import FakeTarget, Fault
+from testbed.service import Service
+from testbed.shardgen import imagenet_like_members, make_tar, read_tar
 
 from .conftest import AisDisk
-from .fake_ais import FakeTarget, Fault
-from .harness import Service, args_query, escaped_uname, fqn_query, uname
+from .harness import args_query, escaped_uname, fqn_query, uname
 from .outputs import assert_transformed, image_shard, plain_members
 
 

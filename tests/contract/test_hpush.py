@@ -13,11 +13,13 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.shardgen import imagenet_like_members, jpeg_bytes, make_tar, read_tar
+from testbed.fake_ais import FakeTarget
+from testbed.ports import free_port
+from testbed.service import Service
+from testbed.shardgen import imagenet_like_members, jpeg_bytes, make_tar, read_tar
 
 from .conftest import AisDisk, transformer_env
-from .fake_ais import FakeTarget
-from .harness import Service, args_query, fqn_query, free_port, uname
+from .harness import args_query, fqn_query, uname
 from .outputs import (
     ERROR_MANIFEST,
     assert_transformed,

@@ -14,11 +14,12 @@ from urllib.parse import quote, unquote
 import httpx
 import pytest
 
-from tests.shardgen import imagenet_like_members, make_tar, read_tar
+from testbed.fake_ais import FakeStage, FakeTarget
+from testbed.service import Service
+from testbed.shardgen import imagenet_like_members, make_tar, read_tar
 
 from .conftest import AisDisk
-from .fake_ais import FakeStage, FakeTarget
-from .harness import Service, escaped_uname, fqn_query, uname
+from .harness import escaped_uname, fqn_query, uname
 from .outputs import assert_transformed, image_shard
 from .test_direct_put import destination
 from .test_ws import REPLY_TIMEOUT, request, ws_session

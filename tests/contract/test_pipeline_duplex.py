@@ -14,10 +14,11 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.shardgen import make_tar, read_tar
+from testbed.service import Service, start_transformer
+from testbed.shardgen import make_tar, read_tar
 
 from .conftest import transformer_env
-from .harness import Service, args_query, start_transformer
+from .harness import args_query
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def second_stage(target, disk, logs) -> Iterator[Service]:
 
 
 def _large_shard(samples: int) -> bytes:
-    from tests.shardgen import jpeg_bytes
+    from testbed.shardgen import jpeg_bytes
 
     members = []
     for i in range(samples):

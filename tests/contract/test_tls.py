@@ -2,7 +2,7 @@
 
 A TLS cluster gives the pod an ``https://`` ``AIS_TARGET_URL``, and destination entries of
 ``Ais-Node-Url`` are https too. Here the fake target is also served over https by a server that
-requires a client certificate signed by a throwaway CA (``tests/tlscerts.py``): the pod's hpull fetch
+requires a client certificate signed by a throwaway CA (``testbed/tlscerts.py``): the pod's hpull fetch
 and direct put must succeed with ``AIS_CRT`` + ``AIS_CRT_KEY`` and fail with a message that says what
 to check without them. ``/download`` origins are any host: verified against the default bundle plus
 ``AIS_CLIENT_CA``, never with skip-verify, and never shown the AIS client certificate.
@@ -19,14 +19,15 @@ from urllib.parse import urlencode
 import httpx
 import pytest
 
-from tests.shardgen import imagenet_like_members, make_tar
-from tests.tlscerts import TlsFiles, make_tls_files
+from testbed.fake_ais import FakeTarget, _Served
+from testbed.service import Service, start_transformer
+from testbed.shardgen import imagenet_like_members, make_tar
+from testbed.tlscerts import TlsFiles, make_tls_files
 from transformer.errors import UpstreamError
 from transformer.server.hops import put_stream
 
 from .conftest import AisDisk, transformer_env
-from .fake_ais import FakeTarget, _Served
-from .harness import Service, escaped_uname, fqn_query, start_transformer, uname
+from .harness import escaped_uname, fqn_query, uname
 from .outputs import assert_transformed, image_shard
 
 NODE_URL = "Ais-Node-Url"

@@ -12,7 +12,8 @@ import time
 import httpx
 import psutil
 
-from tests.shardgen import imagenet_like_members, make_tar
+from testbed.service import Service
+from testbed.shardgen import imagenet_like_members, make_tar
 from transformer.config import Settings
 from transformer.engine import transform_shard
 from transformer.integrity import ShardCheck
@@ -21,7 +22,7 @@ from transformer.pool import TransformPool
 from transformer.shards import read_samples
 
 from .conftest import AisDisk
-from .harness import Service, escaped_uname, fqn_query
+from .harness import escaped_uname, fqn_query
 from .test_ws import REPLY_TIMEOUT, request, ws_session
 
 SEEDED = '{"preset": "imagenet-train", "seed": 21, "epoch": 1}'

@@ -22,13 +22,15 @@ import httpx
 import pytest
 from websockets.sync.client import ClientConnection, connect
 
-from tests.shardgen import imagenet_like_members, make_tar, read_tar
+from testbed.fake_ais import FakeStage, FakeTarget, Fault, go_path_escape
+from testbed.ports import free_port
+from testbed.service import Service, start_transformer
+from testbed.shardgen import imagenet_like_members, make_tar, read_tar
 from transformer.errors import ShardError
 from transformer.shards import read_samples
 
 from .conftest import AisDisk, transformer_env
-from .fake_ais import FakeStage, FakeTarget, Fault, go_path_escape, unused_port
-from .harness import Service, escaped_uname, free_port, start_transformer
+from .harness import escaped_uname
 from .outputs import assert_transformed, image_shard, plain_members, plain_shard
 
 REPLY_TIMEOUT = 60.0
@@ -171,7 +173,7 @@ def test_ws_invalid_etl_args_is_a_binary_error_reply(service: Service) -> None:
 
 
 def test_ws_unreachable_destination_is_a_binary_error_reply(impatient: Service) -> None:
-    entry = f"http://127.0.0.1:{unused_port()}/{escaped_uname('dst', 'ws-nowhere.tar')}?owt=3&uuid=tcb-ws"
+    entry = f"http://127.0.0.1:{free_port()}/{escaped_uname('dst', 'ws-nowhere.tar')}?owt=3&uuid=tcb-ws"
     with ws_session(impatient) as ws:
         request(ws, "ws-nowhere.tar", image_shard(1), pipeline=entry)
         # Remote destination: AIS expected a direct put, so a Binary reply is recorded as an object error.

@@ -25,14 +25,15 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.server import ServerConnection, serve
 
-from tests.shardgen import imagenet_like_members, make_tar
+from testbed.fake_ais import FakeStage, FakeTarget, Fault
+from testbed.service import Service
+from testbed.shardgen import imagenet_like_members, make_tar
 from transformer.errors import ShardError
 from transformer.shards import read_samples
 
 from .conftest import AisDisk
-from .fake_ais import FakeStage, FakeTarget, Fault
 from .fake_ws import FakeWsSession
-from .harness import Service, escaped_uname
+from .harness import escaped_uname
 from .outputs import truncated
 from .test_direct_send import send_paths, wait_for_path
 

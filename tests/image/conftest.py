@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from scripts.image import IMAGE, container_env
-from tests.ais.etl_cluster import NamespaceUnavailable, enter_network_namespace
-from tests.ais.pods import LABEL, ContainerRuntime, PodRuntimeUnavailable, podman
+from testbed.etl_cluster import NamespaceUnavailable, enter_network_namespace
+from testbed.pods import LABEL, ContainerRuntime, PodRuntimeUnavailable, podman
 
 PORT = 8000  # what AIS connects to; nothing else listens in the test's namespace
 

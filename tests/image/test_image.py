@@ -20,9 +20,9 @@ import httpx
 import pytest
 import tomllib
 
-from tests.ais.pods import podman
+from testbed.pods import podman
+from testbed.shardgen import imagenet_like_members, make_tar, read_output
 from tests.deploy_files import REPO, Dockerfile
-from tests.shardgen import imagenet_like_members, make_tar, read_output
 
 SHARD = "shard-000000.tar"
 

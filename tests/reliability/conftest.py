@@ -21,8 +21,8 @@ import httpx
 import pytest
 from starlette.types import Receive, Scope, Send
 
-from tests.contract.fake_ais import FakeStage, FakeTarget, Recorded
-from tests.contract.harness import Service, base_env, start_transformer
+from testbed.fake_ais import FakeStage, FakeTarget, Recorded
+from testbed.service import Service, base_env, start_transformer
 from tests.secret_check import BodyRecorder, PodLog, check_last
 
 ETL_NAME = "wds-etl"

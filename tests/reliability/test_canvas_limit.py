@@ -16,13 +16,12 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from tests.shardgen import png_bytes
+from testbed import inputs
+from testbed.shardgen import png_bytes
 from transformer.errors import SampleTransformError
 from transformer.options import TransformOptions
 from transformer.samples import transform_sample
 from transformer.shards import Sample
-
-from . import inputs
 
 
 def peak_rss() -> int:

@@ -14,14 +14,15 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
-from tests.contract.fake_ais import Fault
-from tests.contract.harness import Service, escaped_uname, fqn_query
-from tests.shardgen import make_tar, read_tar
+from testbed import inputs
+from testbed.fake_ais import Fault
+from testbed.service import Service
+from testbed.shardgen import make_tar, read_tar
+from tests.contract.harness import escaped_uname, fqn_query
 from transformer.errors import RequestError
 from transformer.server.fqn import object_uname
 from transformer.wire import path_escape
 
-from . import inputs
 from .conftest import AisDisk, HeadAwareTarget
 
 FULL = make_tar(inputs.good_members(4))

@@ -13,11 +13,13 @@ import time
 import httpx
 import pytest
 
-from tests.contract.fake_ais import FakeStage, Fault, unused_port
-from tests.contract.harness import Service, escaped_uname
-from tests.shardgen import make_tar, read_tar
+from testbed import inputs
+from testbed.fake_ais import FakeStage, Fault
+from testbed.ports import free_port
+from testbed.service import Service
+from testbed.shardgen import make_tar, read_tar
+from tests.contract.harness import escaped_uname
 
-from . import inputs
 from .conftest import OBJ_TIMEOUT, SECRET, HeadAwareTarget, metric, threads_of, wait_until
 
 SHARD = make_tar(inputs.good_members(3))
@@ -146,7 +148,7 @@ def test_hpull_upstream_error_status(upstream: int, expected: int, client: httpx
 
 def test_direct_put_refused_connection_retries_then_502_never_204(client: httpx.Client,
                                                                   still_serving: Service) -> None:
-    entry = f"http://127.0.0.1:{unused_port()}/{escaped_uname('dst', 'nowhere.tar')}"
+    entry = f"http://127.0.0.1:{free_port()}/{escaped_uname('dst', 'nowhere.tar')}"
     started = time.monotonic()
     response = client.put("/src/nowhere.tar", content=SHARD, headers={"Ais-Node-Url": entry})
     elapsed = time.monotonic() - started
@@ -221,7 +223,7 @@ def test_next_stage_unreachable_is_an_error_never_a_204(client: httpx.Client, ta
     target.objects["ais/@#/src/lonely.tar"] = SHARD
     started = time.monotonic()
     response = client.get(f"/{escaped_uname('src', 'lonely.tar')}",
-                          headers={"Ais-Node-Url": f"http://127.0.0.1:{unused_port()}"})
+                          headers={"Ais-Node-Url": f"http://127.0.0.1:{free_port()}"})
     assert response.status_code == 502, response.text
     assert "ConnectError" in response.text
     assert time.monotonic() - started < OBJ_TIMEOUT + MARGIN

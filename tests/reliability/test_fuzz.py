@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from webdataset.tariterators import base_plus_ext
 
-from tests.shardgen import make_tar, read_tar
+from testbed.shardgen import make_tar, read_tar
 from transformer.config import Settings
 from transformer.engine import transform_shard
 from transformer.errors import OptionsError, RequestError, ShardError

@@ -17,10 +17,11 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.contract.harness import Service, fqn_query
-from tests.shardgen import make_tar, read_tar
+from testbed import inputs
+from testbed.service import Service
+from testbed.shardgen import make_tar, read_tar
+from tests.contract.harness import fqn_query
 
-from . import inputs
 from .conftest import MAX_MEMBER_BYTES, MAX_SHARD_BYTES, AisDisk, wait_until
 
 MANIFEST = "__etl__/errors.json"

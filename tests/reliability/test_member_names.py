@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from tests.shardgen import jpeg_bytes, make_tar, read_output
+from testbed.shardgen import jpeg_bytes, make_tar, read_output
 from transformer.engine import ERROR_MANIFEST_NAME, ShardReport
 from transformer.options import TransformOptions
 from transformer.wire import END_MARKER_NAME

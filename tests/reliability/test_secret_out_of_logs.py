@@ -23,12 +23,14 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
-from tests.contract.fake_ais import FakeStage, Fault, go_path_escape, unused_port
-from tests.contract.harness import Service, escaped_uname, fqn_query, start_transformer
-from tests.shardgen import make_tar
+from testbed import inputs
+from testbed.fake_ais import FakeStage, Fault, go_path_escape
+from testbed.ports import free_port
+from testbed.service import Service, start_transformer
+from testbed.shardgen import make_tar
+from tests.contract.harness import escaped_uname, fqn_query
 from transformer.wire import path_escape
 
-from . import inputs
 from .conftest import ETL_NAME, SECRET, AisDisk, HeadAwareTarget, service_env
 
 SHARD = make_tar(inputs.good_members(3))
@@ -167,7 +169,7 @@ def test_direct_put_and_its_failures(pod: DebugPod, http: httpx.Client, target: 
     target.set_fault("ais/@#/dst/denied.tar",
                      Fault(status=403, body=ais_error(target, "ais/@#/dst/denied.tar", "read-only bucket")))
     denied = http.put("/src/denied.tar", content=SHARD, headers=entry("denied.tar"))
-    unreachable = http.put("/src/away.tar", content=SHARD, headers=entry("away.tar", f"http://127.0.0.1:{unused_port()}"))
+    unreachable = http.put("/src/away.tar", content=SHARD, headers=entry("away.tar", f"http://127.0.0.1:{free_port()}"))
     assert (denied.status_code, unreachable.status_code) == (403, 503)
     assert "read-only bucket" in denied.text
     pod.assert_clean(denied.content, unreachable.content)
@@ -223,7 +225,7 @@ def test_download(pod: DebugPod, http: httpx.Client, target: HeadAwareTarget) ->
 
 def test_a_target_that_is_down(disk: AisDisk, logs: Path) -> None:
     # httpx's exceptions (connection refused) on the size check and the fetch, at DEBUG.
-    secret_url = f"http://127.0.0.1:{unused_port()}/v1/etl/_object/{ETL_NAME}/{SECRET}"
+    secret_url = f"http://127.0.0.1:{free_port()}/v1/etl/_object/{ETL_NAME}/{SECRET}"
 
     class Down:
         ais_target_url = secret_url

@@ -17,11 +17,12 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from tests.contract.fake_ais import FakeTarget, go_path_escape
-from tests.contract.harness import Service, escaped_uname, fqn_query
-from tests.shardgen import make_tar, read_tar
+from testbed import inputs
+from testbed.fake_ais import FakeTarget, go_path_escape
+from testbed.service import Service
+from testbed.shardgen import make_tar, read_tar
+from tests.contract.harness import escaped_uname, fqn_query
 
-from . import inputs
 from .conftest import AisDisk
 
 PACKAGE = Path(__file__).resolve().parents[2] / "transformer"

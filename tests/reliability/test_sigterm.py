@@ -17,11 +17,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.contract.fake_ais import Fault
-from tests.contract.harness import Service, escaped_uname, start_transformer
-from tests.shardgen import make_tar, read_tar
+from testbed import inputs
+from testbed.fake_ais import Fault
+from testbed.service import Service, start_transformer
+from testbed.shardgen import make_tar, read_tar
+from tests.contract.harness import escaped_uname
 
-from . import inputs
 from .conftest import AisDisk, HeadAwareTarget, service_env, wait_until
 
 GRACE = 8.0  # = ETL_OBJ_TIMEOUT of these services

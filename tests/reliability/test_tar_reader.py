@@ -13,7 +13,7 @@ import tracemalloc
 
 import pytest
 
-from tests.shardgen import make_tar
+from testbed.shardgen import make_tar
 from transformer.errors import ShardError
 from transformer.shards import read_samples
 

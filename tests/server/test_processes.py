@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.shardgen import imagenet_like_members, make_tar
+from testbed.shardgen import imagenet_like_members, make_tar
 from transformer.config import Settings, processes_for
 from transformer.engine import ShardReport, transform_shard
 from transformer.errors import ConfigError, InternalError, SampleTransformError, ShardError, UpstreamError

@@ -1,6 +1,6 @@
 """The ``ais_etl`` tests: AIS's real ETL path, target -> pod -> target -> reader, with only Kubernetes faked.
 
-One cluster (``tests/ais/etl_cluster.py``: a proxy and two targets in Kubernetes mode, the fake
+One cluster (``testbed/etl_cluster.py``: a proxy and two targets in Kubernetes mode, the fake
 Kubernetes that runs each ETL pod as ``wds-transform serve``, or, under ``make test-image``, as a
 podman container of the built image) serves every test of this package. The
 test process's main thread enters the cluster's network namespace when the first test asks for it
@@ -11,15 +11,13 @@ inside it; should any test come after anyway, it fails, naming why. At the end
 the fixture checks that no aisnode and no pod process is left, and that AIS asked the fake
 Kubernetes for nothing it does not serve. Without the privileges a network namespace needs, these
 tests fail with the reason, never skip. With ``AIS_WDS_KUBE=real`` (``make test-k8s``) the same tests run
-on a real single-node Kubernetes instead (``tests/ais/k8s/``), and ``test_kubernetes.py`` joins them.
+on a real single-node Kubernetes instead (``testbed/k8s/``), and ``test_kubernetes.py`` joins them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import json
-import os
 import re
 import tarfile
 from collections.abc import Callable, Iterator
@@ -28,17 +26,23 @@ from pathlib import Path
 import httpx
 import pytest
 
+from testbed.cluster import AisnodeUnavailable
+from testbed.etl_cluster import (
+    IMAGE,
+    NODES,
+    REAL_KUBERNETES,
+    EtlCluster,
+    NamespaceUnavailable,
+    enter_network_namespace,
+    settings,
+    start_etl_cluster,
+)
+from testbed.pods import PodRuntimeUnavailable
+from testbed.shardgen import shard_bytes
 from tests import userns
-from tests.ais.cluster import AisnodeUnavailable
-from tests.ais.etl_cluster import NODES, EtlCluster, NamespaceUnavailable, enter_network_namespace, start_etl_cluster
-from tests.ais.pods import PodRuntimeUnavailable
-from tests.shardgen import imagenet_like_members, make_tar
-from transformer.client import EtlSettings, register, unregister
+from transformer.client import register, unregister
 
 from .secret_last import _secret_watches_the_cluster, secret_checked_last  # noqa: F401 (the secret, checked last)
-
-REAL_KUBERNETES = os.environ.get("AIS_WDS_KUBE") == "real"  # make test-k8s
-IMAGE = "ais-wds-transformer:test"  # process pods: wds-transform serve; container pods: the built image (pods.py)
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -90,12 +94,12 @@ def etl_cluster(aisnode: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 
 def _on_real_kubernetes(aisnode: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtlCluster]:
-    """The cluster on a real single-node Kubernetes (``tests/ais/k8s``): ETL pods are scheduled by its scheduler and
+    """The cluster on a real single-node Kubernetes (``testbed/k8s/``): ETL pods are scheduled by its scheduler and
     run by its kubelet from the image ``make image`` built, pulled from the node's registry."""
-    from tests.ais.etl_cluster import start_etl_cluster_on
-    from tests.ais.k8s.build import KubernetesUnavailable
-    from tests.ais.k8s.node import start_node
-    from tests.ais.pods import IMAGE as BUILT
+    from testbed.etl_cluster import start_etl_cluster_on
+    from testbed.k8s.build import KubernetesUnavailable
+    from testbed.k8s.node import start_node
+    from testbed.pods import IMAGE as BUILT
 
     try:
         node = start_node(tmp_path_factory.mktemp("k8s"), log=lambda message: print(message, flush=True))
@@ -127,21 +131,6 @@ def etl_client(etl_cluster: EtlCluster):
     return etl_cluster.client()
 
 
-def settings(comm_type: str = "hpush", **kwargs) -> EtlSettings:
-    """A small, quick ETL: uint8, one transform thread, seeded, short timeouts, logging at DEBUG."""
-    kwargs["env"] = {"ETL_LOG_LEVEL": "debug", **kwargs.get("env", {})}
-    kwargs.setdefault("dtype", "uint8")
-    kwargs.setdefault("seed", 7)
-    kwargs.setdefault("workers", 1)
-    kwargs.setdefault("init_timeout", "60s")
-    kwargs.setdefault("obj_timeout", "60s")
-    kwargs.setdefault("preset", "imagenet-val")
-    kwargs.setdefault("image", IMAGE)
-    if REAL_KUBERNETES:  # a memory limit, so that the kernel's OOM killer ends the pod, not another process
-        kwargs.setdefault("resources", {"requests": {"memory": "256Mi"}, "limits": {"memory": "4Gi"}})
-    return EtlSettings(comm_type=comm_type, **kwargs)
-
-
 @pytest.fixture(scope="package")
 def etls(etl_client, etl_cluster: EtlCluster) -> Iterator[dict[str, str]]:
     """One ETL per communication type (``settings()``, pods logging at DEBUG), shared by the package's
@@ -167,16 +156,6 @@ def etl(etl_client, etl_cluster: EtlCluster) -> Iterator[Callable[..., str]]:
     yield make
     for name in made:
         unregister(etl_client, name)
-
-
-def shard_bytes(index: int, samples: int = 6) -> bytes:
-    """A WebDataset shard of ``samples`` small JPEG samples with labels and pass-through members."""
-    members = []
-    for name, data in imagenet_like_members(samples):
-        if name.endswith(".json"):  # which shard and sample: unique over a bucket
-            data = json.dumps({"shard": index, "sample": int(name[7:13])}).encode()
-        members.append((f"s{index:03d}-{name}", data))
-    return make_tar(members)
 
 
 def put_shards(client, bucket: str, names: list[str], samples: int = 6, namespace=None) -> dict[str, bytes]:

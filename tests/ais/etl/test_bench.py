@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.through_ais import CASES, markdown, measure
-from tests.ais.etl_cluster import EtlCluster
+from testbed.etl_cluster import EtlCluster
 
 pytestmark = [pytest.mark.ais, pytest.mark.ais_etl]
 

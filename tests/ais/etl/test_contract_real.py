@@ -10,8 +10,8 @@ from urllib.parse import urlsplit
 import pytest
 import requests
 
-from tests.ais.etl_cluster import EtlCluster
-from tests.shardgen import read_output
+from testbed.etl_cluster import EtlCluster
+from testbed.shardgen import read_output
 from transformer.client import etl_logs, register, shard_urls, transform_bucket, unregister
 
 from .conftest import put_shards, settings

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import pytest
 import requests
 
-from tests.ais.etl_cluster import NODES, EtlCluster
+from testbed.etl_cluster import NODES, EtlCluster
+from testbed.shardgen import read_output
 from tests.httpserve import StaticServer
-from tests.shardgen import read_output
 from transformer.client import download, shard_urls
 
 from .conftest import shard_bytes

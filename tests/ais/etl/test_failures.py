@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 import requests
 
-from tests.ais.etl_cluster import EtlCluster
-from tests.shardgen import imagenet_like_members, make_tar
+from testbed.etl_cluster import EtlCluster
+from testbed.shardgen import imagenet_like_members, make_tar
 from transformer.client import (
     ErrorCounter,
     EtlRequestError,

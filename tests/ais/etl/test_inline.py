@@ -11,8 +11,8 @@ from collections import Counter
 import pytest
 import torch
 
-from tests.ais.etl_cluster import EtlCluster
-from tests.shardgen import read_output
+from testbed.etl_cluster import EtlCluster
+from testbed.shardgen import read_output
 from transformer.client import ErrorCounter, make_loader, shard_urls
 
 from .conftest import owner_of, put_shards

@@ -16,7 +16,7 @@ import pytest
 import requests
 from aistore.sdk.etl import ETLConfig
 
-from tests.ais.etl_cluster import EtlCluster
+from testbed.etl_cluster import EtlCluster
 from transformer.client import etl_logs, register, unregister
 
 from .conftest import put_shards, settings, tar_names

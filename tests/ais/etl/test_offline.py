@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
-from tests.ais.etl_cluster import EtlCluster
-from tests.shardgen import read_output
+from testbed.etl_cluster import EtlCluster
+from testbed.shardgen import read_output
 from transformer.client import IncompleteCopy, etl_logs, transform_bucket
 from transformer.client.offline import wait_job, wait_transform
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.ais.etl_cluster import EtlCluster
+from testbed.etl_cluster import EtlCluster
 from transformer.client import unregister
 
 from .conftest import REAL_KUBERNETES

@@ -8,7 +8,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from tests.ais.etl_cluster import EtlCluster
+from testbed.etl_cluster import EtlCluster
 from transformer.client import EtlSpecMismatch, register, unregister
 
 from .conftest import settings

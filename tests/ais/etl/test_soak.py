@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from bench.soak_ais import Options, Soak
-from tests.ais.etl_cluster import EtlCluster
+from testbed.etl_cluster import EtlCluster
 
 from .test_register import stage
 

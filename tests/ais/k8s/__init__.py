@@ -1,1 +1,1 @@
-"""A real single-node Kubernetes for the tests: its binaries (``build``) and the node that runs them."""
+"""Tests of the real single-node Kubernetes the suite starts (``testbed/k8s/``): its build and its node."""

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ais.k8s import build
+from testbed.k8s import build
 
 KUBERNETES_GO_MOD = """\
 module k8s.io/kubernetes

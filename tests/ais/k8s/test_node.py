@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.ais.k8s import node
-from tests.ais.k8s.kube import cri_messages
+from testbed.k8s import node
+from testbed.k8s.kube import cri_messages
 
 
 def test_cri_log_lines_become_what_the_container_wrote() -> None:

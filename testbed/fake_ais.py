@@ -337,11 +337,4 @@ class FakeStage(_Recorder):
             await self.answer(send, entry, fault, 200, self.prefix + entry.body, receive=receive)
 
 
-def unused_port() -> int:
-    """A 127.0.0.1 port nobody listens on right now (for "destination unreachable")."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-__all__ = ["FakeStage", "FakeTarget", "Fault", "Recorded", "go_path_escape", "unused_port"]
+__all__ = ["FakeStage", "FakeTarget", "Fault", "Recorded", "go_path_escape"]

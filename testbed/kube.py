@@ -1,5 +1,5 @@
 """A fake Kubernetes API and kubelet: just what AIS 5.0's targets call to run an ETL, with pods as processes or
-containers (``tests/ais/pods.py``).
+containers (``testbed/pods.py``).
 
 aisnode (``github.com/NVIDIA/aistore`` v1.5.0, built with ``-tags etl``) drives each ETL pod through
 client-go (v0.35). These are the calls it makes, and so everything this server answers; any other
@@ -48,7 +48,7 @@ message: the file the container wrote at its termination-message path or, under
 ``terminationMessagePolicy: FallbackToLogsOnError`` (which AIS sets) and a failure, the end of its
 log (80 lines, 2048 bytes at most), as the kubelet does. Pods are not restarted. Not modelled:
 scheduling on resources, image pulls, resource limits, restarts, probes other than ``/health``, and
-the NodePort proxy. ``make test-k8s`` runs the same suite on a real Kubernetes (``tests/ais/k8s/``);
+the NodePort proxy. ``make test-k8s`` runs the same suite on a real Kubernetes (``testbed/k8s/``);
 docs/kubernetes.md says where the two agree and where they do not.
 """
 

@@ -14,7 +14,7 @@ on 127.0.0.1 with free ports, and one mountpath under the run's folder (AIS's te
 the target has joined. ``LocalCluster.stop`` ends exactly the two processes it started (SIGTERM,
 then SIGKILL); they also get SIGKILL from the kernel if the process that started them dies.
 
-``python -m tests.ais.cluster`` starts one and keeps it up until Ctrl-C, for trying the client by hand;
+``python -m testbed.cluster`` starts one and keeps it up until Ctrl-C, for trying the client by hand;
 ``--build-only`` builds (or finds) aisnode and prints its path (``make aisnode``).
 """
 
@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from .ports import free_ports
 
 AISNODE_MODULE = "github.com/NVIDIA/aistore"
 AISNODE_PACKAGE = f"{AISNODE_MODULE}/cmd/aisnode"
@@ -168,19 +169,6 @@ def _run(command: list[str], env: dict[str, str], cwd: Path, timeout: float) -> 
 
 
 # --- the cluster ------------------------------------------------------------------------------------------
-
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((host, 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def cluster_config(primary_url: str) -> dict:

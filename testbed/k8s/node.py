@@ -1,6 +1,6 @@
 """A real single-node Kubernetes inside private network, mount and pid namespaces.
 
-``start_node`` runs ``python -m tests.ais.k8s.node --inside <config>`` under
+``start_node`` runs ``python -m testbed.k8s.node --inside <config>`` under
 ``unshare --net --mount --pid --fork --mount-proc``: pid 1 of the new pid namespace sets the namespaces up,
 then starts etcd, a local image registry, containerd (runc, the CNI bridge), kube-apiserver,
 kube-controller-manager, kube-scheduler, kube-proxy (iptables) and the kubelet, and reaps whatever is
@@ -17,7 +17,7 @@ What stays off the host:
 - cgroups: the kubelet (cgroupfs driver) uses a cgroup root of its own, ``/ais-wds-k8s-<pid>``, made in
   every hierarchy before the start and removed, depth first, after the pid namespace is gone.
 
-What persists, in the cache (``tests/ais/k8s/build.py``): the registry's storage and containerd's root, so
+What persists, in the cache (``testbed/k8s/build.py``): the registry's storage and containerd's root, so
 that the project's 6 GB image is pushed and pulled once, not per run. A lock keeps two clusters from using
 them at once.
 """
@@ -305,7 +305,7 @@ def start_node(root: Path, tools: Tools | None = None, timeout: float = 120.0, l
     # every process of the node
     command = [unshare, "--net", "--mount", "--pid", "--fork", "--kill-child=SIGKILL", "--mount-proc",
                "--propagation", "private", "--",
-               sys.executable, "-m", "tests.ais.k8s.node", "--inside", str(root / "config.json")]
+               sys.executable, "-m", "testbed.k8s.node", "--inside", str(root / "config.json")]
     sink = open(root / "logs" / "node.log", "wb")  # noqa: SIM115
     process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT,
                                cwd=Path(__file__).parents[3], preexec_fn=_die_with_parent)

@@ -24,7 +24,7 @@ command (default: ``go`` on PATH, else ``/usr/local/go/bin/go``).
 and exits 0. It runs as pid 1 of its container, where no signal has a default action, so it handles them
 itself.
 
-``python -m tests.ais.k8s.build`` makes everything and prints each path and each binary's version
+``python -m testbed.k8s.build`` makes everything and prints each path and each binary's version
 (``make k8s-tools``).
 """
 

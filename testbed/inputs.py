@@ -11,7 +11,7 @@ import zlib
 import numpy as np
 from PIL import Image
 
-from tests.shardgen import jpeg_bytes, make_tar, png_bytes
+from .shardgen import jpeg_bytes, make_tar, png_bytes
 
 SMALL = (160, 120)  # small real photos keep the suite fast; imagenet-val still resizes to 224
 

@@ -1,4 +1,7 @@
-"""Test shards built in memory from real photographs (scikit-image's bundled samples)."""
+"""Test shards and images built in memory: real photographs (scikit-image's bundled samples), textured JPEGs.
+
+``shard_bytes`` is the small labelled shard the real-ETL tests and benchmarks put into AIS.
+"""
 
 from __future__ import annotations
 
@@ -138,3 +141,29 @@ def npy_bytes(array: np.ndarray, version: tuple[int, int] | None = None) -> byte
     buffer = io.BytesIO()
     npy.write_array(buffer, array, version=version, allow_pickle=True)
     return buffer.getvalue()
+
+
+def textured_jpeg(width: int, height: int, seed: int, quality: int, grey: bool = False) -> bytes:
+    """A smooth colour field with a few sharp shapes and grain, as JPEG: content at every frequency."""
+    rng = np.random.default_rng(seed)
+    coarse = rng.uniform(0, 255, (6, 8, 3)).astype(np.uint8)
+    field = np.asarray(Image.fromarray(coarse).resize((width, height), Image.Resampling.BICUBIC), np.float32)
+    for _ in range(6):  # rectangles with hard edges
+        x0, y0 = rng.integers(0, width), rng.integers(0, height)
+        x1, y1 = x0 + rng.integers(width // 10, width // 2), y0 + rng.integers(height // 10, height // 2)
+        field[y0:y1, x0:x1] = 0.5 * field[y0:y1, x0:x1] + rng.uniform(0, 128, 3)
+    field += rng.normal(0, rng.uniform(2, 12), (height, width, 1))
+    image = Image.fromarray(np.clip(field, 0, 255).astype(np.uint8))
+    buffer = io.BytesIO()
+    (image.convert("L") if grey else image).save(buffer, "JPEG", quality=quality)
+    return buffer.getvalue()
+
+
+def shard_bytes(index: int, samples: int = 6) -> bytes:
+    """A WebDataset shard of ``samples`` small JPEG samples with labels and pass-through members."""
+    members = []
+    for name, data in imagenet_like_members(samples):
+        if name.endswith(".json"):  # which shard and sample: unique over a bucket
+            data = json.dumps({"shard": index, "sample": int(name[7:13])}).encode()
+        members.append((f"s{index:03d}-{name}", data))
+    return make_tar(members)

@@ -1,5 +1,5 @@
 """A real AIStore that runs ETL: one proxy and two targets on two "nodes", in Kubernetes mode, in a private
-network namespace, with only Kubernetes faked (``tests/ais/kube.py``).
+network namespace, with only Kubernetes faked (``testbed/kube.py``).
 
 AIS 5.0 refuses ETL unless aisnode believes it runs in Kubernetes (``cmn/k8s``: client-go's
 ``rest.InClusterConfig`` finds ``KUBERNETES_SERVICE_HOST``/``_PORT`` and a service-account token, and
@@ -19,7 +19,8 @@ namespace entered before the process started any thread (``tests/conftest.py``).
 
 Layout: node-0 (198.51.100.10) runs the proxy, node-1 (.11) and node-2 (.12) a target each; the pods AIS
 creates for a target run on that target's node, so every ETL has two pods and a bucket's objects
-spread over both. ``python -m tests.ais.etl_cluster`` starts one by hand (see ``main``).
+spread over both. ``python -m testbed.etl_cluster`` starts one by hand (see ``main``). ``settings()`` is
+the small, quick ETL the real-ETL tests and the benchmarks through AIS register on it.
 """
 
 from __future__ import annotations
@@ -39,14 +40,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import transformer
-from tests.tlscerts import make_tls_files
+from transformer.client import EtlSettings
 
 from .cluster import (
     Node,
     _die_with_parent,
     _node_env,
     cluster_config,
-    free_ports,
     local_config,
     owner_gone,
     stop_nodes,
@@ -54,10 +54,14 @@ from .cluster import (
 )
 from .kube import FakeKubernetes
 from .pods import ContainerRuntime, PodRuntime, ProcessRuntime
+from .ports import free_ports
+from .tlscerts import make_tls_files
 
 if TYPE_CHECKING:
     from .k8s.node import KubeNode
 
+REAL_KUBERNETES = os.environ.get("AIS_WDS_KUBE") == "real"  # make test-k8s: AIS on a real Kubernetes node
+IMAGE = "ais-wds-transformer:test"  # process pods: wds-transform serve; container pods: the built image (pods.py)
 CLONE_NEWNET = 0x40000000
 NODES = {"node-0": "198.51.100.10", "node-1": "198.51.100.11", "node-2": "198.51.100.12"}
 SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
@@ -102,7 +106,7 @@ class NetworkNamespace:
 def check_prerequisites() -> None:
     missing = [tool for tool in ("ip", "unshare", "mount") if shutil.which(tool) is None
                and not Path(f"/usr/sbin/{tool}").exists() and not Path(f"/usr/bin/{tool}").exists()]
-    if shutil.which("openssl") is None:  # run from PATH by tests/tlscerts.py, for the fake API's TLS files
+    if shutil.which("openssl") is None:  # run from PATH by testbed/tlscerts.py, for the fake API's TLS files
         missing.append("openssl")
     if missing:
         raise NamespaceUnavailable(f"the real-ETL cluster needs {', '.join(missing)}, not found (Debian: "
@@ -384,7 +388,7 @@ roleRef: {apiGroup: rbac.authorization.k8s.io, kind: Role, name: ais-etl}
 
 
 def start_etl_cluster_on(node: KubeNode, binary: Path, root: Path, timeout: float = 120.0) -> EtlCluster:
-    """AIS on a real Kubernetes node (``tests/ais/k8s/node.py``): the proxy and two targets are processes on the
+    """AIS on a real Kubernetes node (``testbed/k8s/node.py``): the proxy and two targets are processes on the
     node's address, each with a pod object of its own (a sleeper carrying the target's mountpath as a volume) and
     the token of a ServiceAccount bound to a Role for what AIS does. The caller's thread is in the node's network."""
     from .k8s.kube import RealKubernetes
@@ -428,6 +432,21 @@ def start_etl_cluster_on(node: KubeNode, binary: Path, root: Path, timeout: floa
         _abandon(nodes, kube, disks)
         raise
     return _ready(cluster, timeout)
+
+
+def settings(comm_type: str = "hpush", **kwargs) -> EtlSettings:
+    """A small, quick ETL: uint8, one transform thread, seeded, short timeouts, logging at DEBUG."""
+    kwargs["env"] = {"ETL_LOG_LEVEL": "debug", **kwargs.get("env", {})}
+    kwargs.setdefault("dtype", "uint8")
+    kwargs.setdefault("seed", 7)
+    kwargs.setdefault("workers", 1)
+    kwargs.setdefault("init_timeout", "60s")
+    kwargs.setdefault("obj_timeout", "60s")
+    kwargs.setdefault("preset", "imagenet-val")
+    kwargs.setdefault("image", IMAGE)
+    if REAL_KUBERNETES:  # a memory limit, so that the kernel's OOM killer ends the pod, not another process
+        kwargs.setdefault("resources", {"requests": {"memory": "256Mi"}, "limits": {"memory": "4Gi"}})
+    return EtlSettings(comm_type=comm_type, **kwargs)
 
 
 def main() -> int:
