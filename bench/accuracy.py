@@ -23,7 +23,6 @@ import argparse
 import io
 import json
 import os
-import subprocess
 import sys
 import tarfile
 import time
@@ -34,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.report import finish, short_commit
 from testbed.shardgen import textured_jpeg
 
 # (width, height): short side 200 to 2400, landscape and portrait, odd sizes, ImageNet's common 500 x 375/333.
@@ -155,15 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         print(report(json.loads(args.render.read_text())))
         return 0
     results = measure()
-    root = Path(__file__).resolve().parent.parent
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                            text=True).stdout.strip()
-    results["meta"] = {"commit": commit, "command": "python -m bench.accuracy " + " ".join(argv or sys.argv[1:]),
-                       "cpus": os.cpu_count(), "torch": torch.__version__}
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
-    print(report(results))
-    return 0
+    command = "python -m bench.accuracy " + " ".join(argv or sys.argv[1:])
+    results["meta"] = {"commit": short_commit(), "command": command, "cpus": os.cpu_count(), "torch": torch.__version__}
+    return finish(results, args.json, report(results))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import platform
 import shlex
@@ -22,6 +23,29 @@ PACKAGES = ("torch", "torchvision", "pillow", "numpy", "simplejpeg", "webdataset
 def _git(*command: str) -> str:
     done = subprocess.run(["git", *command], capture_output=True, text=True, cwd=Path(__file__).parents[1])
     return done.stdout.strip()
+
+
+def short_commit() -> str:
+    """The checked-out commit, short ('' outside a git checkout)."""
+    return _git("rev-parse", "--short", "HEAD")
+
+
+def finish(results: dict, json_path: Path | None, text: str) -> int:
+    """A one-off command's last step: its figures as JSON where asked, its report on stdout; exit status 0."""
+    if json_path:
+        json_path.write_text(json.dumps(results, indent=1))
+    print(text)
+    return 0
+
+
+def save_run(out: Path, results: dict, title: str, command: str, text: str) -> int:
+    """A run's folder: ``results.json`` and ``results.md`` (the title, the command, the report); the report
+    on stdout; exit status 0."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "results.md").write_text(f"# {title}\n\n`{command}`\n\n{text}")
+    print(text)
+    return 0
 
 
 def run_name(started: float) -> str:

@@ -38,6 +38,7 @@ from urllib.parse import quote
 
 import requests
 
+from bench.report import save_run
 from testbed.shardgen import imagenet_like_members, make_tar
 
 CASES = ("direct", "inline-hpush", "inline-ws", "offline")
@@ -226,14 +227,9 @@ def main() -> int:
                              rounds=options.rounds, progress=lambda line: print(line, flush=True), images=images)
     finally:
         namespace.leave()
-    options.out.mkdir(parents=True, exist_ok=True)
-    (options.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
-    text = markdown(result)
-    (options.out / "results.md").write_text("# Through AIS, side by side\n\n`python -m bench.through_ais "
-                                            f"--shards {options.shards} --samples {options.samples} "
-                                            f"--rounds {options.rounds} --pods {options.pods}`\n\n" + text)
-    print(text)
-    return 0
+    return save_run(options.out, result, "Through AIS, side by side",
+                    f"python -m bench.through_ais --shards {options.shards} --samples {options.samples} "
+                    f"--rounds {options.rounds} --pods {options.pods}", markdown(result))
 
 
 if __name__ == "__main__":

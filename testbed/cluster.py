@@ -65,12 +65,17 @@ class AisnodeUnavailable(RuntimeError):
     """aisnode could not be built or started; the message says why and what to do."""
 
 
-def cache_dir() -> Path:
-    given = os.environ.get(CACHE_ENV)
+def build_cache(env: str, leaf: str) -> Path:
+    """Where a build is kept: ``$env`` if set, else ``leaf`` under the user's cache folder."""
+    given = os.environ.get(env)
     if given:
         return Path(given).expanduser()
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "ais-wds-transformer" / f"aisnode-{AISNODE_VERSION}"
+    return base / "ais-wds-transformer" / leaf
+
+
+def cache_dir() -> Path:
+    return build_cache(CACHE_ENV, f"aisnode-{AISNODE_VERSION}")
 
 
 def find_go() -> str | None:

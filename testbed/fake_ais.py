@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 from urllib.parse import parse_qsl, quote, unquote
 
 import uvicorn
@@ -74,7 +74,24 @@ class Recorded:
 
 
 class _Recorder:
-    """Shared bookkeeping: the request log and the fault table, safe across threads."""
+    """Shared bookkeeping: the request log and the fault table, safe across threads; the server it runs on."""
+
+    _served: _Served
+
+    @property
+    def port(self) -> int:
+        return self._served.port
+
+    @property
+    def base_url(self) -> str:
+        return self._served.base_url
+
+    def start(self) -> Self:
+        self._served.start()
+        return self
+
+    def stop(self) -> None:
+        self._served.stop()
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -217,14 +234,6 @@ class FakeTarget(_Recorder):
         self._served = _Served(self)
 
     @property
-    def port(self) -> int:
-        return self._served.port
-
-    @property
-    def base_url(self) -> str:
-        return self._served.base_url
-
-    @property
     def etl_path(self) -> str:
         return f"{ETL_OBJECT_PREFIX}/{self.etl_name}/{self.secret}"
 
@@ -232,13 +241,6 @@ class FakeTarget(_Recorder):
     def ais_target_url(self) -> str:
         """What AIS puts in the pod's ``AIS_TARGET_URL``."""
         return self.base_url + self.etl_path
-
-    def start(self) -> FakeTarget:
-        self._served.start()
-        return self
-
-    def stop(self) -> None:
-        self._served.stop()
 
     def reset(self) -> None:
         super().reset()
@@ -300,21 +302,6 @@ class FakeStage(_Recorder):
         self.prefix = b"stage:"
         self.payload = b""
         self._served = _Served(self)
-
-    @property
-    def port(self) -> int:
-        return self._served.port
-
-    @property
-    def base_url(self) -> str:
-        return self._served.base_url
-
-    def start(self) -> FakeStage:
-        self._served.start()
-        return self
-
-    def stop(self) -> None:
-        self._served.stop()
 
     def reset(self) -> None:
         super().reset()

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from bench import data, services
+from bench.report import finish
 from bench.stats import median
 
 log = logging.getLogger("bench")
@@ -142,10 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         work = args.work or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-ab-work-")))
         a = args.a or stack.enter_context(worktree(args.base))
         results = run(a.resolve(), args.b.resolve(), args, work)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
-    print(report(results))
-    return 0
+    return finish(results, args.json, report(results))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ Decided: ``transform_bucket`` proves a copy whole by a 2 KiB tail read per objec
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -31,6 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bench.report import save_run
 from testbed.shardgen import jpeg_bytes, make_tar
 
 CASES = ("list", "check", "read-whole")
@@ -140,14 +140,9 @@ def main() -> int:
                 unregister(client, "bench-copy-check")
     finally:
         namespace.leave()
-    options.out.mkdir(parents=True, exist_ok=True)
-    (options.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
-    text = markdown(result)
-    (options.out / "results.md").write_text("# The offline copy check, side by side\n\n"
-                                            "`python -m bench.experiments.copy_check "
-                                            f"--objects {options.objects} --rounds {options.rounds}`\n\n" + text)
-    print(text)
-    return 0
+    return save_run(options.out, result, "The offline copy check, side by side",
+                    f"python -m bench.experiments.copy_check --objects {options.objects} --rounds {options.rounds}",
+                    markdown(result))
 
 
 if __name__ == "__main__":

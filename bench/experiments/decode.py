@@ -32,7 +32,6 @@ import io
 import json
 import logging
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +44,7 @@ import numpy as np
 import torch
 
 from bench import compute, data, services
+from bench.report import finish, short_commit
 from bench.stats import median
 
 log = logging.getLogger("bench")
@@ -267,16 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         work = args.work or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-decode-")))
         results = run(args, work)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=services.REPO_ROOT, capture_output=True,
-                            text=True).stdout.strip()
     command = "python -m bench.experiments.decode " + " ".join(argv or sys.argv[1:])
-    results["meta"] = {"commit": commit, "command": command,
+    results["meta"] = {"commit": short_commit(), "command": command,
                        "load_average_start_end": [round(load[0], 2), round(os.getloadavg()[0], 2)],
                        "cpus": os.cpu_count(), "torch": torch.__version__}
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
-    print(report(results))
-    return 0
+    return finish(results, args.json, report(results))
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from ..cluster import GO_ENV, find_go
+from ..cluster import GO_ENV, build_cache, find_go
 
 K8S_MODULE = "k8s.io/kubernetes"
 K8S_VERSION = "v1.34.4"
@@ -126,11 +126,7 @@ class Tools:
 
 
 def cache_dir() -> Path:
-    given = os.environ.get(CACHE_ENV)
-    if given:
-        return Path(given).expanduser()
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "ais-wds-transformer" / f"k8s-{K8S_VERSION}"
+    return build_cache(CACHE_ENV, f"k8s-{K8S_VERSION}")
 
 
 def how_to_get_go(cache: Path) -> str:
