@@ -63,7 +63,7 @@ def save_outputs(url: str, bucket: str, paths: list[Path], etl_args: str, folder
     """The service's output for ``paths`` written to ``folder`` (hpush with etl_fqn, as a target would store it)."""
     from urllib.parse import urlencode
 
-    from .services import go_path_escape
+    from testbed.aisnames import go_path_escape
 
     folder.mkdir(parents=True, exist_ok=True)
     saved = []

@@ -22,12 +22,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import quote, urlencode
+from urllib.parse import urlencode
 
 import psutil
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, BytesMessage, CloseConnection, Request
 
+from testbed.aisnames import go_path_escape
 from testbed.ports import free_port
 from testbed.service import REPO_ROOT, Service, base_env, serve_command
 
@@ -158,14 +159,6 @@ class Result:
     bytes_in: int
     bytes_out: int
     error: str = ""
-
-
-def go_path_escape(text: str) -> str:
-    """Go's ``url.PathEscape`` as AIS applies it to the FQN: ``$&+:=@`` stay, ``/`` ``;`` ``,`` ``?`` escaped.
-
-    Hand-written (one ``quote`` call) because no library exposes Go's path-segment rule.
-    """
-    return quote(text, safe="$&+:=@")
 
 
 def curl_available() -> bool:

@@ -21,22 +21,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Self
-from urllib.parse import parse_qsl, quote, unquote
+from urllib.parse import parse_qsl, unquote
 
 import uvicorn
 from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
-ETL_OBJECT_PREFIX = "/v1/etl/_object"
-
-
-def go_path_escape(text: str) -> str:
-    """Go's ``url.PathEscape``: like ``quote`` but ``$&+:=@`` stay, and ``/`` ``;`` ``,`` ``?`` are escaped.
-
-    Hand-written because no library exposes Go's exact path-segment rule, and AIS builds every
-    escaped uname and FQN with it (``ext/etl/communicator.go``).
-    """
-    return quote(text, safe="$&+:=@")
+from .aisnames import ETL_OBJECT_PREFIX, go_path_escape
 
 
 @dataclass
