@@ -308,7 +308,7 @@ def start_node(root: Path, tools: Tools | None = None, timeout: float = 120.0, l
                sys.executable, "-m", "testbed.k8s.node", "--inside", str(root / "config.json")]
     sink = open(root / "logs" / "node.log", "wb")  # noqa: SIM115
     process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT,
-                               cwd=Path(__file__).parents[3], preexec_fn=_die_with_parent)
+                               cwd=Path(__file__).resolve().parents[2], preexec_fn=_die_with_parent)  # the repo
     sink.close()
     deadline = time.monotonic() + 10
     inside = 0
