@@ -34,10 +34,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import quote, urlencode
+from urllib.parse import urlencode
 
 import httpx
 
+from testbed.aisnames import go_path_escape
 from testbed.ports import free_port
 from testbed.service import Service, base_env, serve_command
 from testbed.shardgen import jpeg_bytes, make_tar
@@ -67,7 +68,7 @@ class Kind:
     def url(self, base: str, index: int) -> str:
         params = {}
         if self.fqn:
-            params["etl_fqn"] = quote(self.fqn, safe="$&+:=@")  # Go's PathEscape; urlencode encodes again
+            params["etl_fqn"] = go_path_escape(self.fqn)  # urlencode encodes again, as AIS does
         if self.etl_args:
             params["etl_args"] = self.etl_args
         query = f"?{urlencode(params)}" if params else ""
@@ -180,7 +181,7 @@ def ws_request(service: ServiceProcess, kind: Kind, index: int) -> tuple[int, by
     from websockets.exceptions import ConnectionClosed
     from websockets.sync.client import connect
 
-    control = {"path": f"soak/{kind.name}-{index}.tar", "fqn": quote(kind.fqn, safe="$&+:=@")}
+    control = {"path": f"soak/{kind.name}-{index}.tar", "fqn": go_path_escape(kind.fqn)}
     if kind.etl_args:
         control["etl_args"] = kind.etl_args
     with connect(f"ws://127.0.0.1:{service.port}/ws", max_size=None, compression=None, open_timeout=10,

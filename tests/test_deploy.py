@@ -26,7 +26,7 @@ from decimal import Decimal
 from importlib.metadata import entry_points
 from io import BytesIO
 from pathlib import Path
-from urllib.parse import quote, urlencode
+from urllib.parse import urlencode
 
 import httpx
 import kubernetes_validate
@@ -39,6 +39,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from websockets.sync.client import connect
 
+from testbed.aisnames import go_path_escape
 from testbed.ports import free_port
 from testbed.service import Service
 from testbed.shardgen import imagenet_like_members, make_tar, read_tar
@@ -459,7 +460,7 @@ def test_entry_command_reads_an_fqn_in_ais_layout(image: ImageProcess, tmp_path:
     obj.write_bytes(make_tar(imagenet_like_members(1)))
     obj.chmod(0o640)
     # Go's url.PathEscape, then the query encoding: AIS double-encodes etl_fqn (ext/etl/communicator.go).
-    query = urlencode({"etl_fqn": quote(str(obj), safe="$&+:=@")})
+    query = urlencode({"etl_fqn": go_path_escape(str(obj))})
     reply = httpx.put(f"{image.url}/bck/dir/shard-000001.tar?{query}", content=b"", timeout=60)
     assert reply.status_code == 200, reply.text
     assert [name for name, _ in read_tar(reply.content)] == ["sample-000000.npy", "sample-000000.cls",

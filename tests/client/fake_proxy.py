@@ -42,6 +42,7 @@ from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
 import msgspec
 from braceexpand import braceexpand
 
+from testbed.aisnames import go_path_escape
 from tests.httpserve import QuietServer
 
 NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -67,10 +68,6 @@ class FakeEtl:
     stage: str = "Running"
     xaction: str = field(default_factory=lambda: "etl-" + uuid.uuid4().hex[:8])
     job_errors: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # offline job id -> obj_errors
-
-
-def path_escape(text: str) -> str:
-    return quote(text, safe="$&+:=@")
 
 
 def go_duration(text: str) -> str:
@@ -460,7 +457,7 @@ class FakeProxy:
             if not self.fqn(bucket, name).is_file():
                 errors.append({"obj_name": f"ais://{bucket}/{name}", "msg": "object not found", "ecode": 404})
                 continue
-            query = urlencode([("etl_fqn", path_escape(str(self.fqn(bucket, name))))])
+            query = urlencode([("etl_fqn", go_path_escape(str(self.fqn(bucket, name))))])
             conn = http.client.HTTPConnection(pod.hostname, pod.port, timeout=60)
             conn.request("PUT", f"/{quote(bucket)}/{quote(name)}?{query}", body=b"", headers={"Content-Length": "0"})
             response = conn.getresponse()
@@ -618,10 +615,10 @@ class FakeProxy:
         if etl.message["communication"] == "hpush://":
             return self._relay(h, r, bucket, name)
         # What a target answers an inline GET of an hpull:// ETL (ext/etl/communicator.go:390-413).
-        query = [("etl_fqn", path_escape(str(self.fqn(bucket, name))))]
+        query = [("etl_fqn", go_path_escape(str(self.fqn(bucket, name))))]
         if "etl_args" in r.query:
             query.append(("etl_args", r.query["etl_args"][-1]))
-        location = f"{self.pod_url}/{path_escape(f'ais/@#/{bucket}/{name}')}?{urlencode(query)}"
+        location = f"{self.pod_url}/{go_path_escape(f'ais/@#/{bucket}/{name}')}?{urlencode(query)}"
         h.reply(307, headers={"Location": location})
 
     def _range(self, h: Any, header: str, data: bytes) -> None:
@@ -647,7 +644,7 @@ class FakeProxy:
         of the tar and then the error. ``relay_cuts[name] = n`` makes the pod's body break after ``n``
         bytes once (a transient failure, such as a pod restarted mid-read).
         """
-        query = [("etl_fqn", path_escape(str(self.fqn(bucket, name))))]
+        query = [("etl_fqn", go_path_escape(str(self.fqn(bucket, name))))]
         if "etl_args" in r.query:
             query.append(("etl_args", r.query["etl_args"][-1]))
         pod = urlsplit(self.pod_url)

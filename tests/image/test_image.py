@@ -14,12 +14,13 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import quote, urlencode
+from urllib.parse import urlencode
 
 import httpx
 import pytest
 import tomllib
 
+from testbed.aisnames import go_path_escape
 from testbed.pods import podman
 from testbed.shardgen import imagenet_like_members, make_tar, read_output
 from tests.deploy_files import REPO, Dockerfile
@@ -135,7 +136,7 @@ def test_fqn_read_through_a_read_only_mount_of_objects_as_ais_writes_them(run_po
     for directory in (mountpath, *[p for p in obj.parents if mountpath in p.parents]):
         directory.chmod(0o750)
     assert (obj.stat().st_uid, obj.stat().st_gid) == (0, 0)
-    query = urlencode({"etl_fqn": quote(str(obj), safe="$&+:=@")})
+    query = urlencode({"etl_fqn": go_path_escape(str(obj))})
     mount = f"{mountpath.parent}:{mountpath.parent}:ro"
     pod = run_pod("-v", mount)
     pod.wait_healthy()
