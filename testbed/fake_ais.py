@@ -1,11 +1,12 @@
-"""Fakes of what an ETL pod talks to: the AIS target's ETL object endpoint and a next ETL stage.
+"""Fakes of what an ETL pod talks to: the AIS target's ETL object endpoint and disk, and a next ETL stage.
 
 ``FakeTarget`` behaves like ``/v1/etl/_object/<etl>/<secret>/<PathEscape(uname)>`` on an AIS target
 (AIS's ais/tgtetl.go): hpull fetches (GET) and size checks (HEAD) are served from an
 in-memory dict, direct puts (PUT) are recorded in full and answered ``200`` with an empty body. The uname must arrive as
 **one** path segment, so the raw path is read from ``scope["raw_path"]`` (the decoded ``path`` would
 hide a pod that unescaped ``%2F``). ``FakeStage`` is the next ETL of a pipeline: it records the PUT
-it gets and answers ``200`` + bytes or ``204``.
+it gets and answers ``200`` + bytes or ``204``. ``AisDisk`` is a target mountpath on local disk, where
+objects lie as AIS stores them, for the FQN path.
 
 Both can be told to misbehave per object (uname) or per path: answer a status, stall, or drop the
 connection after part of the body. Each runs under uvicorn in a background thread on a free
@@ -20,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Self
 from urllib.parse import parse_qsl, unquote
 
@@ -315,4 +317,22 @@ class FakeStage(_Recorder):
             await self.answer(send, entry, fault, 200, self.prefix + entry.body, receive=receive)
 
 
-__all__ = ["FakeStage", "FakeTarget", "Fault", "Recorded", "go_path_escape"]
+
+class AisDisk:
+    """A target mountpath on local disk: ``put`` stores an object where AIS would and returns its FQN."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.mountpath = root / "mp1"
+
+    def fqn(self, bucket: str, name: str, provider: str = "ais") -> str:
+        return str(self.mountpath / f"@{provider}" / bucket / "%ob" / name)
+
+    def put(self, bucket: str, name: str, data: bytes, provider: str = "ais") -> str:
+        path = Path(self.fqn(bucket, name, provider))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        return str(path)
+
+
+__all__ = ["AisDisk", "FakeStage", "FakeTarget", "Fault", "Recorded", "go_path_escape"]

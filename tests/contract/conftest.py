@@ -14,30 +14,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from testbed.fake_ais import FakeStage, FakeTarget
+from testbed.fake_ais import AisDisk, FakeStage, FakeTarget
 from testbed.service import Service, base_env, start_transformer
 
 from .harness import start_reference
 
 ETL_NAME = "wds-etl"
 SECRET = "Sec4et9XyZ"
-
-
-class AisDisk:
-    """A target mountpath on local disk: ``put`` writes an object where AIS would and returns its FQN."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.mountpath = root / "mp1"
-
-    def fqn(self, bucket: str, name: str) -> str:
-        return str(self.mountpath / "@ais" / bucket / "%ob" / name)
-
-    def put(self, bucket: str, name: str, data: bytes) -> str:
-        path = Path(self.fqn(bucket, name))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-        return str(path)
 
 
 @pytest.fixture(scope="session")

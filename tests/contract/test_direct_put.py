@@ -8,12 +8,11 @@ import time
 import httpx
 import pytest
 
-from testbed.fake_ais import FakeStage, FakeTarget, Fault
+from testbed.fake_ais import AisDisk, FakeStage, FakeTarget, Fault
 from testbed.ports import free_port
 from testbed.service import Service
 from testbed.shardgen import imagenet_like_members, make_tar, read_tar
 
-from .conftest import AisDisk
 from .harness import args_query, escaped_uname, fqn_query, uname
 from .outputs import assert_transformed, image_shard
 from .test_ops import _settled, _value

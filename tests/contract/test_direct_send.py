@@ -23,13 +23,13 @@ from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, BytesMessage, Ping, Pong
 from wsproto.events import Request as WsRequest
 
-from testbed.fake_ais import FakeTarget
+from testbed.fake_ais import AisDisk, FakeTarget
 from testbed.ports import free_port
 from testbed.service import Service
 from testbed.shardgen import imagenet_like_members, make_tar, read_tar
 from testbed.tlscerts import TlsFiles, make_tls_files
 
-from .conftest import AisDisk, transformer_env
+from .conftest import transformer_env
 from .harness import args_query, fqn_query
 from .test_half_duplex_clients import _shard as half_duplex_shard
 from .test_ws import REPLY_TIMEOUT, control, request, ws_session

@@ -7,11 +7,10 @@ import time
 
 import httpx
 
-from testbed.fake_ais import FakeTarget, Fault
+from testbed.fake_ais import AisDisk, FakeTarget, Fault
 from testbed.service import Service
 from testbed.shardgen import imagenet_like_members, make_tar, read_tar
 
-from .conftest import AisDisk
 from .harness import args_query, escaped_uname, fqn_query, uname
 from .outputs import assert_transformed, image_shard, plain_members
 

@@ -13,12 +13,12 @@ import httpx
 import numpy as np
 import pytest
 
-from testbed.fake_ais import FakeTarget
+from testbed.fake_ais import AisDisk, FakeTarget
 from testbed.ports import free_port
 from testbed.service import Service
 from testbed.shardgen import imagenet_like_members, jpeg_bytes, make_tar, read_tar
 
-from .conftest import AisDisk, transformer_env
+from .conftest import transformer_env
 from .harness import args_query, fqn_query, uname
 from .outputs import (
     ERROR_MANIFEST,

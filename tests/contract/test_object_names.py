@@ -14,11 +14,10 @@ from urllib.parse import quote, unquote
 import httpx
 import pytest
 
-from testbed.fake_ais import FakeStage, FakeTarget
+from testbed.fake_ais import AisDisk, FakeStage, FakeTarget
 from testbed.service import Service
 from testbed.shardgen import imagenet_like_members, make_tar, read_tar
 
-from .conftest import AisDisk
 from .harness import escaped_uname, fqn_query, uname
 from .outputs import assert_transformed, image_shard
 from .test_direct_put import destination

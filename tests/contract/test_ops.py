@@ -11,11 +11,10 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect
 
-from testbed.fake_ais import FakeTarget, go_path_escape
+from testbed.fake_ais import AisDisk, FakeTarget, go_path_escape
 from testbed.service import Service
 from testbed.shardgen import imagenet_like_members, jpeg_bytes, make_tar
 
-from .conftest import AisDisk
 from .harness import escaped_uname, fqn_query, uname
 from .outputs import assert_transformed, image_shard
 

@@ -20,11 +20,10 @@ import httpx
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from testbed.fake_ais import FakeStage, FakeTarget, Fault, go_path_escape
+from testbed.fake_ais import AisDisk, FakeStage, FakeTarget, Fault, go_path_escape
 from testbed.service import Service
 from testbed.shardgen import make_tar, read_tar
 
-from .conftest import AisDisk
 from .harness import args_query, escaped_uname, fqn_query, uname
 from .outputs import plain_members, plain_shard
 

@@ -19,14 +19,14 @@ from urllib.parse import urlencode
 import httpx
 import pytest
 
-from testbed.fake_ais import FakeTarget, _Served
+from testbed.fake_ais import AisDisk, FakeTarget, _Served
 from testbed.service import Service, start_transformer
 from testbed.shardgen import imagenet_like_members, make_tar
 from testbed.tlscerts import TlsFiles, make_tls_files
 from transformer.errors import UpstreamError
 from transformer.server.hops import put_stream
 
-from .conftest import AisDisk, transformer_env
+from .conftest import transformer_env
 from .harness import escaped_uname, fqn_query, uname
 from .outputs import assert_transformed, image_shard
 

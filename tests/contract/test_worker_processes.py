@@ -12,6 +12,7 @@ import time
 import httpx
 import psutil
 
+from testbed.fake_ais import AisDisk
 from testbed.service import Service
 from testbed.shardgen import imagenet_like_members, make_tar
 from transformer.config import Settings
@@ -21,7 +22,6 @@ from transformer.options import parse_etl_args
 from transformer.pool import TransformPool
 from transformer.shards import read_samples
 
-from .conftest import AisDisk
 from .harness import escaped_uname, fqn_query
 from .test_ws import REPLY_TIMEOUT, request, ws_session
 

@@ -22,14 +22,14 @@ import httpx
 import pytest
 from websockets.sync.client import ClientConnection, connect
 
-from testbed.fake_ais import FakeStage, FakeTarget, Fault, go_path_escape
+from testbed.fake_ais import AisDisk, FakeStage, FakeTarget, Fault, go_path_escape
 from testbed.ports import free_port
 from testbed.service import Service, start_transformer
 from testbed.shardgen import imagenet_like_members, make_tar, read_tar
 from transformer.errors import ShardError
 from transformer.shards import read_samples
 
-from .conftest import AisDisk, transformer_env
+from .conftest import transformer_env
 from .harness import escaped_uname
 from .outputs import assert_transformed, image_shard, plain_members, plain_shard
 

@@ -25,13 +25,12 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.server import ServerConnection, serve
 
-from testbed.fake_ais import FakeStage, FakeTarget, Fault
+from testbed.fake_ais import AisDisk, FakeStage, FakeTarget, Fault
 from testbed.service import Service
 from testbed.shardgen import imagenet_like_members, make_tar
 from transformer.errors import ShardError
 from transformer.shards import read_samples
 
-from .conftest import AisDisk
 from .fake_ws import FakeWsSession
 from .harness import escaped_uname
 from .outputs import truncated

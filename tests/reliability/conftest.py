@@ -3,7 +3,7 @@
 The service is ``python -m transformer serve`` in a subprocess on 127.0.0.1 (the contract suite's
 harness), with small size limits and a short object timeout so that every limit and fault is cheap
 to reach. After each test the service must still answer ``/health``: no input may take it down.
-The fakes (AIS target, next stage) are the contract suite's, reused by import. Every service logs at
+The fakes (AIS target and its disk, next stage) are ``testbed.fake_ais``'s. Every service logs at
 DEBUG; when the package's tests are done, no line of any service's whole log and no error body the
 tests received holds the ETL secret (``tests/secret_check.py``).
 """
@@ -21,7 +21,7 @@ import httpx
 import pytest
 from starlette.types import Receive, Scope, Send
 
-from testbed.fake_ais import FakeStage, FakeTarget, Recorded
+from testbed.fake_ais import AisDisk, FakeStage, FakeTarget, Recorded
 from testbed.service import Service, base_env, start_transformer
 from tests.secret_check import BodyRecorder, PodLog, check_last
 
@@ -60,23 +60,6 @@ class HeadAwareTarget(FakeTarget):
         entry.answered_at = time.monotonic()
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": b""})
-
-
-class AisDisk:
-    """A target mountpath on local disk: ``put`` stores an object where AIS would and returns its FQN."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.mountpath = root / "mp1"
-
-    def fqn(self, bucket: str, name: str, provider: str = "ais") -> str:
-        return str(self.mountpath / f"@{provider}" / bucket / "%ob" / name)
-
-    def put(self, bucket: str, name: str, data: bytes, provider: str = "ais") -> str:
-        path = Path(self.fqn(bucket, name, provider))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-        return str(path)
 
 
 def service_env(target: FakeTarget, disk: AisDisk, **overrides: str) -> dict[str, str]:

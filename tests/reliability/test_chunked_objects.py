@@ -15,7 +15,7 @@ import pytest
 from websockets.sync.client import connect
 
 from testbed import inputs
-from testbed.fake_ais import Fault
+from testbed.fake_ais import AisDisk, Fault
 from testbed.service import Service
 from testbed.shardgen import make_tar, read_tar
 from tests.contract.harness import escaped_uname, fqn_query
@@ -23,7 +23,7 @@ from transformer.errors import RequestError
 from transformer.server.fqn import object_uname
 from transformer.wire import path_escape
 
-from .conftest import AisDisk, HeadAwareTarget
+from .conftest import HeadAwareTarget
 
 FULL = make_tar(inputs.good_members(4))
 FIRST_CHUNK = FULL[: len(FULL) // 3]  # what lom.FQN holds for a chunked object

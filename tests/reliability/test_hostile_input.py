@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 
 from testbed import inputs
+from testbed.fake_ais import AisDisk
 from testbed.service import Service
 from testbed.shardgen import make_tar, read_tar
 from tests.contract.harness import fqn_query
 
-from .conftest import MAX_MEMBER_BYTES, MAX_SHARD_BYTES, AisDisk, wait_until
+from .conftest import MAX_MEMBER_BYTES, MAX_SHARD_BYTES, wait_until
 
 MANIFEST = "__etl__/errors.json"
 

@@ -24,14 +24,14 @@ import pytest
 from websockets.sync.client import connect
 
 from testbed import inputs
-from testbed.fake_ais import FakeStage, Fault, go_path_escape
+from testbed.fake_ais import AisDisk, FakeStage, Fault, go_path_escape
 from testbed.ports import free_port
 from testbed.service import Service, start_transformer
 from testbed.shardgen import make_tar
 from tests.contract.harness import escaped_uname, fqn_query
 from transformer.wire import path_escape
 
-from .conftest import ETL_NAME, SECRET, AisDisk, HeadAwareTarget, service_env
+from .conftest import ETL_NAME, SECRET, HeadAwareTarget, service_env
 
 SHARD = make_tar(inputs.good_members(3))
 BIG = make_tar(inputs.good_members(24))

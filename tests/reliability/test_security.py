@@ -18,12 +18,10 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from testbed import inputs
-from testbed.fake_ais import FakeTarget, go_path_escape
+from testbed.fake_ais import AisDisk, FakeTarget, go_path_escape
 from testbed.service import Service
 from testbed.shardgen import make_tar, read_tar
 from tests.contract.harness import escaped_uname, fqn_query
-
-from .conftest import AisDisk
 
 PACKAGE = Path(__file__).resolve().parents[2] / "transformer"
 

@@ -18,12 +18,12 @@ import httpx
 import pytest
 
 from testbed import inputs
-from testbed.fake_ais import Fault
+from testbed.fake_ais import AisDisk, Fault
 from testbed.service import Service, start_transformer
 from testbed.shardgen import make_tar, read_tar
 from tests.contract.harness import escaped_uname
 
-from .conftest import AisDisk, HeadAwareTarget, service_env, wait_until
+from .conftest import HeadAwareTarget, service_env, wait_until
 
 GRACE = 8.0  # = ETL_OBJ_TIMEOUT of these services
 EXITED_ON_SIGTERM = -signal.SIGTERM  # after the graceful drain
