@@ -8,6 +8,7 @@ started. ``start_transformer`` runs ``python -m transformer serve`` as the pod d
 from __future__ import annotations
 
 import os
+import ssl
 import subprocess
 import sys
 import time
@@ -45,14 +46,17 @@ class Service:
         self.process = subprocess.Popen(command, env=env, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT)
         Service.started.append(self)
 
-    def wait_healthy(self, timeout: float) -> Service:
-        """Wait for ``GET /health`` = 200; stopped (and its log tail raised) if it exits or is not healthy in time."""
+    def wait_healthy(self, timeout: float, verify: ssl.SSLContext | bool = True) -> Service:
+        """Wait for ``GET /health`` = 200; stopped (and its log tail raised) if it exits or is not healthy in time.
+
+        ``verify`` checks an https server's certificate (a context that trusts its CA).
+        """
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                if httpx.get(self.url + "/health", verify=verify, timeout=1.0).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass

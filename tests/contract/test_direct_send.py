@@ -234,20 +234,7 @@ def https_service(target: FakeTarget, disk: AisDisk, logs: Path, tls_files: TlsF
     command = [sys.executable, "-c", _TLS_SERVER, str(port), str(tls_files.server_cert), str(tls_files.server_key)]
     server = Service("transformer-https", command, transformer_env(target, disk), logs, port)
     server.url = f"https://127.0.0.1:{port}"
-    verify = ssl.create_default_context(cafile=str(tls_files.ca))
-    deadline = time.monotonic() + 90
-    while True:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"the https server exited:\n{server.log_tail()}")
-        try:
-            if httpx.get(f"{server.url}/health", verify=verify, timeout=1.0).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            server.stop()
-            raise RuntimeError(f"the https server did not start:\n{server.log_tail()}")
-        time.sleep(0.1)
+    server.wait_healthy(90, verify=ssl.create_default_context(cafile=str(tls_files.ca)))
     yield server
     server.stop()
 
