@@ -15,7 +15,8 @@ in Kubernetes mode, so it needs one more). Every process the thread starts after
 fake API, the pods, DataLoader workers) and every socket it opens is in that namespace: every packet
 stays inside it, and the host's network is untouched. ``leave`` returns the thread to the namespace it
 came from; the namespace is gone with its last process. This needs CAP_SYS_ADMIN: root, or a user
-namespace entered before the process started any thread (``tests/conftest.py``).
+namespace entered before the process started any thread (``testbed/userns.py``, which ``tests/conftest.py`` enters
+first thing).
 
 Layout: node-0 (198.51.100.10) runs the proxy, node-1 (.11) and node-2 (.12) a target each; the pods AIS
 creates for a target run on that target's node, so every ETL has two pods and a bucket's objects

@@ -6,9 +6,9 @@ where only the client's dependencies are installed (``python -m bench.gpu`` on a
 
 from __future__ import annotations
 
-from tests import userns
+from testbed import userns
 
-userns.enter()  # an unprivileged run: root in a user namespace, while the process has one thread (tests/userns.py)
+userns.enter()  # an unprivileged run: root in a user namespace, while the process has one thread (testbed/userns.py)
 
 import io  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402

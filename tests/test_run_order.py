@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
+TESTBED = TESTS.parent / "testbed"
 RECORD = '''
 import os, time
 def _record(name):
@@ -18,10 +19,18 @@ def _record(name):
 '''
 
 
+def _copy_conftest(root: Path) -> None:
+    """The tests' conftest and the user-namespace module it enters first, as packages under ``root``."""
+    (root / "testbed").mkdir()
+    for name in ("userns.py", "__init__.py"):
+        shutil.copy(TESTBED / name, root / "testbed" / name)
+    for name in ("conftest.py", "__init__.py"):
+        shutil.copy(TESTS / name, root / "tests" / name)
+
+
 def _suite(root: Path) -> None:
     (root / "tests" / "ais").mkdir(parents=True)
-    for name in ("conftest.py", "userns.py", "__init__.py"):
-        shutil.copy(TESTS / name, root / "tests" / name)
+    _copy_conftest(root)
     (root / "tests" / "ais" / "__init__.py").write_text("")
     (root / "tests" / "ais" / "test_real_etl.py").write_text(RECORD + "".join(
         f"def test_etl_{i}():\n    time.sleep(0.3)\n    _record('ais/{i}')\n" for i in range(4)))
@@ -53,10 +62,9 @@ def test_an_unprivileged_worker_takes_no_file_after_the_real_ais_ones(tmp_path: 
 
 def test_a_test_after_a_namespace_that_could_not_be_left_fails_naming_why(tmp_path: Path) -> None:
     (tmp_path / "tests").mkdir()
-    for name in ("conftest.py", "userns.py", "__init__.py"):
-        shutil.copy(TESTS / name, tmp_path / "tests" / name)
+    _copy_conftest(tmp_path)
     (tmp_path / "tests" / "test_stuck.py").write_text(
-        "from tests import userns\n\n"
+        "from testbed import userns\n\n"
         "def test_leaves_badly():\n    userns.stuck_in.append('setns: Operation not permitted')\n\n"
         "def test_after():\n    pass\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "AIS_WDS_NO_USERNS": "1"}

@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from testbed import userns
 from testbed.cluster import AisnodeUnavailable
 from testbed.etl_cluster import (
     IMAGE,
@@ -39,7 +40,6 @@ from testbed.etl_cluster import (
 )
 from testbed.pods import PodRuntimeUnavailable
 from testbed.shardgen import shard_bytes
-from tests import userns
 from transformer.client import register, unregister
 
 from .secret_last import _secret_watches_the_cluster, secret_checked_last  # noqa: F401 (the secret, checked last)
