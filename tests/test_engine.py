@@ -360,7 +360,7 @@ def test_max_inflight_bounds_two_concurrent_shards(monkeypatch: pytest.MonkeyPat
     outstanding = {"now": 0, "max": 0}
     lock = threading.Lock()
 
-    class CountingTask(engine.Task):  # submitted and not yet finished: what holds a slot
+    class CountingTask(pool_module.Task):  # submitted and not yet finished: what holds a slot
         __slots__ = ()
 
         def __init__(self, fn, args, on_done=None):
