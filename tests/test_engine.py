@@ -684,51 +684,6 @@ def test_relay_sends_the_first_output_before_the_window_fills(pool: TransformPoo
     assert output == reference
 
 
-def test_relay_over_a_real_socket_that_fills(pool: TransformPool, make_options: MakeOptions,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    # The service's writer (DirectSender.try_send) on a socket with a 4 KB buffer and a slow reader: the
-    # transform threads keep finding it full and the driver keeps finishing frames. The body must be the
-    # driver path's bytes, in chunked framing.
-    import socket
-
-    from tests.server.test_direct import FakeTransport, ImmediateLoop, never, unframed
-    from transformer.server.direct import DirectSender
-
-    slow_transforms(monkeypatch, lambda key: random.Random(key).uniform(0, 0.005))
-    data = make_tar(mixed_members(40))
-    options = make_options(seed=3)
-    reference = b"".join(bytes(c) for c in transform_shard(io.BytesIO(data), options, pool, shard="s",
-                                                          object_name="s", window=6))
-    ours, peer = socket.socketpair()
-    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    received = bytearray()
-
-    def read_slowly() -> None:
-        while piece := peer.recv(8192):
-            received.extend(piece)
-            time.sleep(0.0005)
-
-    reader = threading.Thread(target=read_slowly)
-    reader.start()
-    sender = DirectSender(ImmediateLoop(), FakeTransport(ours))
-    answers: list[engine.Write] = []
-
-    def writer(chunk) -> engine.Write:
-        answers.append(sender.try_send(chunk))
-        return answers[-1]
-
-    for chunk in transform_shard(io.BytesIO(data), options, pool, shard="s", object_name="s", window=6,
-                                 writer=writer):
-        assert sender.send(chunk, never, lambda: False)
-    assert sender.flush(never, lambda: False)
-    sender.close()
-    ours.close()
-    reader.join(30)
-    body, _ = unframed(bytes(received))
-    assert body == reference
-    assert engine.Write.FULL in answers and engine.Write.OK in answers  # both paths were taken
-
-
 def test_relay_close_waits_for_a_write_in_progress_and_none_starts_after() -> None:
     # jobs closes the engine before it closes the socket: a transform thread still inside writer()
     # must be done before close() returns, and no thread may start writing afterwards.

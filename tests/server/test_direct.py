@@ -1,18 +1,26 @@
 """server/direct.py's DirectSender on a socket pair: exact chunked framing, partial sends, the stall
-hand-back, a gone peer."""
+hand-back, a gone peer, and the engine's transform threads writing through it."""
 
 from __future__ import annotations
 
 import asyncio
+import io
 import os
+import random
 import socket
 import ssl
 import threading
+import time
+from collections.abc import Callable
 
 import pytest
 
-from transformer.engine import Write
+from testbed.shardgen import make_tar
+from tests.test_engine import mixed_members, slow_transforms
+from transformer.engine import Write, transform_shard
 from transformer.errors import Cancelled
+from transformer.options import TransformOptions
+from transformer.pool import TransformPool
 from transformer.server import direct, protocols
 
 
@@ -201,6 +209,47 @@ def test_flush_after_try_send_writes_only_the_unfinished_frame() -> None:
     ours.close()
     reader.join(10)
     assert bytes(received) == framed([big])
+
+
+def test_the_engines_relay_over_a_real_socket_that_fills(pool: TransformPool,
+                                                         make_options: Callable[..., TransformOptions],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # The service's writer (DirectSender.try_send) on a socket with a 4 KB buffer and a slow reader: the
+    # transform threads keep finding it full and the driver keeps finishing frames. The body must be the
+    # driver path's bytes, in chunked framing.
+    slow_transforms(monkeypatch, lambda key: random.Random(key).uniform(0, 0.005))
+    data = make_tar(mixed_members(40))
+    options = make_options(seed=3)
+    reference = b"".join(bytes(c) for c in transform_shard(io.BytesIO(data), options, pool, shard="s",
+                                                          object_name="s", window=6))
+    ours, peer = socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    received = bytearray()
+
+    def read_slowly() -> None:
+        while piece := peer.recv(8192):
+            received.extend(piece)
+            time.sleep(0.0005)
+
+    reader = threading.Thread(target=read_slowly)
+    reader.start()
+    sender = direct.DirectSender(ImmediateLoop(), FakeTransport(ours))
+    answers: list[Write] = []
+
+    def writer(chunk) -> Write:
+        answers.append(sender.try_send(chunk))
+        return answers[-1]
+
+    for chunk in transform_shard(io.BytesIO(data), options, pool, shard="s", object_name="s", window=6,
+                                 writer=writer):
+        assert sender.send(chunk, never, lambda: False)
+    assert sender.flush(never, lambda: False)
+    sender.close()
+    ours.close()
+    reader.join(30)
+    body, _ = unframed(bytes(received))
+    assert body == reference
+    assert Write.FULL in answers and Write.OK in answers  # both paths were taken
 
 
 class TlsTransport(FakeTransport):
