@@ -1,7 +1,5 @@
-"""server/protocols.py: which responses may use direct send (``transport_of``), and the ws protocol with
-wsreply.send_ws_frame: while the driver thread writes frames,
-no pong is written; a failed reply's last frame goes out without waiting, after the held pongs, and
-the next message starts cleanly.
+"""server/protocols.py: which responses may use direct send (``transport_of``), and the ws protocol's pongs:
+while the driver thread writes frames, no pong is written; the held ones go out after.
 
 Driven in memory (no socket) so the check is exact; tests/contract/test_direct_send.py has a slow
 client ping all through a real reply.
@@ -10,7 +8,6 @@ client ping all through a real reply.
 from __future__ import annotations
 
 import asyncio
-import time
 
 from uvicorn.config import Config
 from uvicorn.server import ServerState
@@ -19,7 +16,6 @@ from websockets.frames import Frame, Opcode
 from transformer.server import protocols
 from transformer.server.protocols import WS_EXTENSION as EXTENSION
 from transformer.server.protocols import FragmentingWebSocketProtocol
-from transformer.server.wsreply import send_ws_frame
 
 HANDSHAKE = (b"GET /ws HTTP/1.1\r\nHost: test\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
              b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
@@ -100,40 +96,6 @@ def test_pongs_wait_while_the_threads_write_and_go_out_after() -> None:
     assert answered == pong(b"before")
     assert during == b"", "a pong was written while the shard's threads write frames"
     assert after == pong(b"during")
-
-
-def frame(opcode: Opcode, data: bytes, fin: bool) -> bytes:
-    return Frame(opcode, data, fin=fin).serialize(mask=False, extensions=[])
-
-
-def test_a_failed_reply_ends_with_its_error_frame_even_while_the_peer_does_not_read() -> None:
-    # After a failure mid-message: pongs held while the threads wrote go out, then the error text as
-    # the message's last frame, without waiting for the peer (writing is paused); the next message
-    # then starts cleanly on the same connection.
-    async def scenario() -> tuple[bytes, bool]:
-        protocol, transport = await accepted_connection()
-        start = len(transport.written)
-
-        await send_ws_frame(protocol, b"first", first=True, fin=False, deadline=time.monotonic() + 5)
-        protocol.threads_write(True)  # the shard's threads write the next frames
-        protocol.data_received(ping(b"during"))
-        protocol.pause_writing()  # the peer stopped reading
-        timed_out = False
-        try:
-            await send_ws_frame(protocol, b"more", first=False, fin=False, deadline=time.monotonic() + 0.05)
-        except asyncio.TimeoutError:
-            timed_out = True
-        protocol.threads_write(False)  # the failure: the threads stopped
-        await send_ws_frame(protocol, b'{"message": "failed"}', first=False, fin=True, deadline=None)
-        await send_ws_frame(protocol, b"next", first=True, fin=True, deadline=None)  # a new message: clean state
-        for task in list(protocol.tasks):
-            task.cancel()
-        return bytes(transport.written[start:]), timed_out
-
-    written, timed_out = asyncio.run(scenario())
-    assert timed_out, "a frame with a deadline did not wait (until its deadline) while writing was paused"
-    assert written == (frame(Opcode.BINARY, b"first", False) + pong(b"during")
-                       + frame(Opcode.CONT, b'{"message": "failed"}', True) + frame(Opcode.BINARY, b"next", True))
 
 
 def test_head_requests_and_foreign_servers_use_the_asgi_path() -> None:
