@@ -65,7 +65,7 @@ HOW_TO_FIX = (
     "read the source), then run this test again: it installs exactly the declared floors."
 )
 
-IN_MEMORY = ("tests/server/test_protocols.py", "tests/server/test_direct.py")
+IN_MEMORY = ("tests/server/test_protocols.py", "tests/server/test_wsreply.py", "tests/server/test_direct.py")
 
 # Run first by every python started on the floors: are the floors what it imports? Then the given code.
 _CHECK_FLOORS = r"""
