@@ -1,5 +1,7 @@
-"""How AIS's Go code spells names on the wire, written apart from ``transformer.wire`` so tests check the one
-against the other."""
+"""How AIS's Go code spells names on the wire: Go's ``url.PathEscape`` and the ETL object path's prefix.
+
+Written apart from ``transformer.wire`` so that tests check the one against the other.
+"""
 
 from __future__ import annotations
 

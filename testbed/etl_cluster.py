@@ -1,5 +1,6 @@
-"""A real AIStore that runs ETL: one proxy and two targets on two "nodes", in Kubernetes mode, in a private
-network namespace, with only Kubernetes faked (``testbed/kube.py``).
+"""A real AIStore that runs ETL, in a private network namespace, with only Kubernetes faked.
+
+One proxy and two targets on two "nodes", in Kubernetes mode; the fake Kubernetes is ``testbed/kube.py``.
 
 AIS 5.0 refuses ETL unless aisnode believes it runs in Kubernetes (``cmn/k8s``: client-go's
 ``rest.InClusterConfig`` finds ``KUBERNETES_SERVICE_HOST``/``_PORT`` and a service-account token, and

@@ -1,5 +1,6 @@
-"""A fake Kubernetes API and kubelet: just what AIS 5.0's targets call to run an ETL, with pods as processes or
-containers (``testbed/pods.py``).
+"""A fake Kubernetes API and kubelet: just what AIS 5.0's targets call to run an ETL.
+
+Its pods run as processes or containers (``testbed/pods.py``).
 
 aisnode (``github.com/NVIDIA/aistore`` v1.5.0, built with ``-tags etl``) drives each ETL pod through
 client-go (v0.35). These are the calls it makes, and so everything this server answers; any other

@@ -1,5 +1,6 @@
-"""The real-ETL suite's view of a real Kubernetes: the same few calls the fake Kubernetes
-(``testbed/kube.py``) answers, served by a real node (``node.py``).
+"""The real-ETL suite's view of a real Kubernetes: the calls the fake one answers, served by a real node.
+
+The fake is ``testbed/kube.py``; the node is ``node.py``.
 
 The tests ask Kubernetes for the ETL pods of an ETL, which of them run, their address (``hostIP`` and the
 Service's ``nodePort``), the host pid and user of their main process, and their whole logs, deleted pods'
