@@ -271,6 +271,8 @@ def run_tests(paths: list[str], limit_s: float, work: Path, cuda: bool) -> dict:
     record = work / "tests.jsonl"
     record.unlink(missing_ok=True)
     env = {**os.environ, "BENCH_GPU_RECORD": str(record), "PYTHONUNBUFFERED": "1"}
+    # A fresh interpreter: it must import this checkout's packages (transformer, tests, testbed, bench as the
+    # plugin); testbed and bench are never installed, and an installed transformer may be another copy.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(REPO)) if p)
     command = [sys.executable, "-m", "pytest", *paths, "-m", "not server", "-p", "bench.gpu", "-p", "no:cacheprovider",
                "-q", "--basetemp", str(work / "pytest")]
@@ -416,6 +418,7 @@ def overlap(dtype: str, limit_s: float, work: Path) -> dict:
     figures.unlink(missing_ok=True)
     command = [sys.executable, str(REPO / "examples" / "prefetch_overlap.py"), "--batch", "256", "--dtype", dtype,
                "--depth", "2", "--batches", "40", "--json", str(figures)]
+    # A fresh interpreter: the example must import this checkout's transformer, not an installed copy (if any).
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p)}
     try:
         done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=max(limit_s, 1))

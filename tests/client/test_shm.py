@@ -64,6 +64,7 @@ def _load(tmp_path: Path, shm_bytes: int, shuffle: int) -> dict:
     command = [unshare, "--mount", "--propagation", "private", "--", "sh", "-c",
                f'{mount} && exec "$0" "$@"', sys.executable, str(script), str(tmp_path),
                str(SIDE), str(BATCH), str(WORKERS), str(PREFETCH), str(shuffle)]
+    # A fresh interpreter (under unshare): it must import this checkout's testbed (never installed) and transformer.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
