@@ -126,52 +126,10 @@ def _settings(args: argparse.Namespace) -> int:
 
 
 def _sync(args: argparse.Namespace) -> int:
-    """``transform_bucket(..., incremental=True)`` with the ETL's own settings; the classes and the job printed."""
-    from .client.errors import IncompleteCopy
-    from .client.offline import registered_options, transform_bucket
+    from .client.sync import sync
 
-    if not args.endpoint:
-        print("error: give the AIS proxy URL (--endpoint or AIS_ENDPOINT)", file=sys.stderr)
-        return 2
-    ext = {}
-    for item in args.ext:
-        old, sep, new = item.partition("=")
-        if not sep or not old or not new:
-            print(f"error: --ext {item!r}: give FROM=TO, e.g. tar=npy.tar", file=sys.stderr)
-            return 2
-        ext[old.lstrip(".")] = new
-    from aistore.sdk import Client
-
-    client = Client(args.endpoint)
-    source, destination = (name.removeprefix("ais://").strip("/") for name in (args.source, args.destination))
-    try:
-        job = transform_bucket(client, args.etl, source, destination, options=registered_options(client, args.etl),
-                               prefix=args.prefix, ext=ext or None, timeout=args.timeout, incremental=True,
-                               delete_orphans=args.delete_orphans)
-    except IncompleteCopy as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
-        return 1
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    changes = job.changes
-    print(f"ais://{source} -> ais://{destination}: "
-          + ", ".join(f"{n} {key.replace('_', ' ')}" for key, n in changes.counts.items())
-          + f" ({changes.tail_reads} tail reads in {changes.seconds:.1f} s)")
-    if job.job_id:
-        print(f"job {job.job_id}: {len(changes.stale)} transformed, {job.verified} proven whole, "
-              f"{len(job.object_errors)} failed")
-        for name, message in job.object_errors:
-            print(f"  {name}: {message}")
-    else:
-        print("nothing to transform")
-    if changes.deleted:
-        print(f"deleted {len(changes.deleted)} orphan{'s' if len(changes.deleted) > 1 else ''}: "
-              + ", ".join(changes.deleted))
-    elif changes.orphans:
-        print(f"{len(changes.orphans)} orphan(s) kept (--delete-orphans removes them): "
-              + ", ".join(changes.orphans[:10]) + (" ..." if len(changes.orphans) > 10 else ""))
-    return 0
+    return sync(args.endpoint, args.etl, args.source, args.destination, prefix=args.prefix, ext=args.ext,
+                delete_orphans=args.delete_orphans, timeout=args.timeout)
 
 
 _COMMANDS = {
