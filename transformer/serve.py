@@ -1,5 +1,7 @@
-"""The pod's start (``wds-transform serve``): the ETL secret masked, the workers' fork server started
-before torch is imported, the settings checked (a bad one written to the termination log), uvicorn run.
+"""The pod's start, ``wds-transform serve``: fork server first, then the settings, then uvicorn.
+
+The ETL secret is masked, the workers' fork server started before torch is imported, the settings
+checked (a bad one written to the termination log), and uvicorn run with the service's options.
 
 Nothing of the service is imported before the fork server runs: it imports torch in a process of its
 own while this one does the same (forkserver.py).
