@@ -5,8 +5,8 @@ docs/*.md (the file, and the heading its #anchor names); every inline-code repo 
 `bench/...`, `transformer/...`, `tests/...`, `k8s/...`, `examples/...`); every docs/ path and every repo
 file path named in the sources (Python under transformer/, bench/, tests/ and examples/, and the
 Dockerfile, Makefile, pyproject.toml, k8s/ and scripts/); every ``python -m bench...`` module named in
-the docs, the kept runs' reports under bench/results/, and bench/, tests/ and examples/. The generated
-tables are checked where they are generated: the settings table in tests/test_config.py, the headline
+the docs, the kept runs' reports under bench/results/, and transformer/, bench/, tests/ and examples/.
+The generated tables are checked where they are generated: the settings table in tests/test_config.py, the headline
 tables in tests/test_bench_headline.py.
 """
 
@@ -133,8 +133,9 @@ def module_exists(name: str) -> bool:
 
 
 def command_files() -> list[Path]:
-    """Where ``python -m bench...`` command lines are written: the docs, kept runs' reports, bench/ and tests/."""
-    sources = [f for f in source_files() if any(f.is_relative_to(REPO / d) for d in ("bench", "tests", "examples"))]
+    """Where ``python -m bench...`` command lines are written: the docs, kept runs' reports, and the sources."""
+    sources = [f for f in source_files()
+               if any(f.is_relative_to(REPO / d) for d in ("transformer", "bench", "tests", "examples"))]
     return [*documents(), *sorted((REPO / "bench" / "results").rglob("*.md")), *sources]
 
 

@@ -33,7 +33,8 @@ TRAVELS = 64 * 2**20  # the working tree and the carried paths together, per cal
 # (the server, its worker processes, the engine and the demo generator); local modules they import are followed
 # at module level.
 ENTRY = ["bench/scaling.py", "bench/services.py", "bench/data.py", "bench/peers/conventional_etl.py",
-         "bench/peers/recipes.py", "transformer/__main__.py", "transformer/cli.py", "transformer/forkserver.py",
+         "bench/peers/recipes.py", "transformer/__main__.py", "transformer/cli.py", "transformer/serve.py",
+         "transformer/forkserver.py",
          "transformer/demo.py", "transformer/engine.py", "transformer/cropdecode.py", "transformer/spec.py",
          "transformer/samples.py", "transformer/shards.py", "transformer/config.py",
          *(str(p.relative_to(REPO)) for p in sorted((REPO / "transformer/server").glob("*.py")))]

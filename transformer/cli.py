@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 
 from .errors import TransformerError
@@ -80,69 +79,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .config import Settings, write_termination_log
-    from .redact import configure, install_logging, redact
+    from .serve import serve
 
-    configure(os.environ.get("AIS_TARGET_URL", ""))  # before anything is written: the ETL secret stays out
-    if _worker_processes_likely(os.environ):
-        from .forkserver import start_fork_server
-
-        start_fork_server()  # it imports torch in a process of its own while this one does the same
-    try:
-        settings = Settings.from_env()  # fail fast, before binding the port, on a bad setting
-    except TransformerError as exc:
-        # Kubernetes shows the termination log in the container status; AIS prints it when init fails.
-        write_termination_log(redact(f"wds-transform serve: {exc.message}"))
-        raise
-    install_logging(settings.ais_target_url)
-
-    import uvicorn
-
-    from .server.logs import serve_log_config
-    from .server.protocols import DirectSendProtocol, FragmentingWebSocketProtocol
-
-    uvicorn.run(
-        "transformer.server:create_app",
-        factory=True,
-        host=args.host or settings.host,
-        port=args.port or settings.port,
-        # Above the AIS target's 6 s idle timeout, so the target never reuses a connection we closed
-        # (AIS does not retry a PUT that failed with EOF; ext/etl/communicator.go).
-        timeout_keep_alive=settings.keepalive,
-        # uvicorn's httptools protocol, which also hands the connection's transport to shard responses
-        # so the shard's driver thread can write the output itself (server/direct.py).
-        http=DirectSendProtocol,
-        # uvicorn's websockets (sans-I/O) protocol, which can also send a reply frame by frame
-        # (server/wsreply.py). AIS sends up to 16 GiB per message and a shard sent as content is one
-        # message, held in memory whole: the shard limit caps it (the 1 MiB floor keeps room for
-        # control messages).
-        ws=FragmentingWebSocketProtocol,
-        ws_max_size=min(16 * 2**30, max(settings.max_shard_bytes, 2**20)),
-        ws_ping_interval=None,  # the target never answers pings' purpose; AIS itself sends none
-        ws_ping_timeout=None,
-        # No permessage-deflate: AIS's gorilla dialer never asks for it, float arrays barely compress,
-        # and deflating 600 MB per shard would cost more CPU than transforming it. (Direct send writes
-        # uncompressed frames, so it also stays off with a compressing client.)
-        ws_per_message_deflate=False,
-        log_level=settings.log_level,
-        # uvicorn's own, with the ETL secret masked in each handler, and the root logger in the pod's format
-        log_config=serve_log_config(settings.log_level),
-        access_log=settings.log_level == "debug",
-        timeout_graceful_shutdown=int(settings.obj_timeout),
-    )
-    return 0
-
-
-def _worker_processes_likely(env: Mapping[str, str]) -> bool:
-    """Whether the settings will ask for transform worker processes, read without torch (a bad value: no)."""
-    from .config import available_cpus, processes_for
-
-    try:
-        workers = int(env.get("ETL_WORKERS", "").strip() or available_cpus())
-        raw = env.get("ETL_PROCESSES", "").strip()
-        return (int(raw) if raw else processes_for(workers)) > 0
-    except ValueError:
-        return False
+    return serve(host=args.host, port=args.port)
 
 
 def _apply(args: argparse.Namespace) -> int:
@@ -187,52 +126,10 @@ def _settings(args: argparse.Namespace) -> int:
 
 
 def _sync(args: argparse.Namespace) -> int:
-    """``transform_bucket(..., incremental=True)`` with the ETL's own settings; the classes and the job printed."""
-    from .client.errors import IncompleteCopy
-    from .client.offline import registered_options, transform_bucket
+    from .client.sync import sync
 
-    if not args.endpoint:
-        print("error: give the AIS proxy URL (--endpoint or AIS_ENDPOINT)", file=sys.stderr)
-        return 2
-    ext = {}
-    for item in args.ext:
-        old, sep, new = item.partition("=")
-        if not sep or not old or not new:
-            print(f"error: --ext {item!r}: give FROM=TO, e.g. tar=npy.tar", file=sys.stderr)
-            return 2
-        ext[old.lstrip(".")] = new
-    from aistore.sdk import Client
-
-    client = Client(args.endpoint)
-    source, destination = (name.removeprefix("ais://").strip("/") for name in (args.source, args.destination))
-    try:
-        job = transform_bucket(client, args.etl, source, destination, options=registered_options(client, args.etl),
-                               prefix=args.prefix, ext=ext or None, timeout=args.timeout, incremental=True,
-                               delete_orphans=args.delete_orphans)
-    except IncompleteCopy as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
-        return 1
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    changes = job.changes
-    print(f"ais://{source} -> ais://{destination}: "
-          + ", ".join(f"{n} {key.replace('_', ' ')}" for key, n in changes.counts.items())
-          + f" ({changes.tail_reads} tail reads in {changes.seconds:.1f} s)")
-    if job.job_id:
-        print(f"job {job.job_id}: {len(changes.stale)} transformed, {job.verified} proven whole, "
-              f"{len(job.object_errors)} failed")
-        for name, message in job.object_errors:
-            print(f"  {name}: {message}")
-    else:
-        print("nothing to transform")
-    if changes.deleted:
-        print(f"deleted {len(changes.deleted)} orphan{'s' if len(changes.deleted) > 1 else ''}: "
-              + ", ".join(changes.deleted))
-    elif changes.orphans:
-        print(f"{len(changes.orphans)} orphan(s) kept (--delete-orphans removes them): "
-              + ", ".join(changes.orphans[:10]) + (" ..." if len(changes.orphans) > 10 else ""))
-    return 0
+    return sync(args.endpoint, args.etl, args.source, args.destination, prefix=args.prefix, ext=args.ext,
+                delete_orphans=args.delete_orphans, timeout=args.timeout)
 
 
 _COMMANDS = {

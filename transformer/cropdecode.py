@@ -26,11 +26,11 @@ scaling (``min_height``/``min_width`` choose the scale; it cannot decode a regio
 nvImageCodec (``nvidia-nvimgcodec-cu13``; its CPU-only libjpeg-turbo 3.1 backend needs neither a GPU
 nor CUDA) for the window, the one maintained binding found with a region decode. On ImageNet-size
 JPEGs the window decode of ``RandomResizedCrop`` is what saves time, since DCT scaling never applies (a
-crop of a 500 x 375 image is under 2 x 224); ``python -m bench.decode`` measures it, docs/performance.md
-gives the figures. Left out: PIL's ``draft`` scales like simplejpeg but decodes slower; pyvips-binary
-stops after the window's last row but costs more per call; PyTurboJPEG loads a system libturbojpeg (a
-package the image would need); TorchCodec's decoders take torchvision's options, with neither a region
-nor a DCT scale.
+crop of a 500 x 375 image is under 2 x 224); ``python -m bench.experiments.decode`` measures it,
+docs/performance.md gives the figures. Left out: PIL's ``draft`` scales like simplejpeg but decodes
+slower; pyvips-binary stops after the window's last row but costs more per call; PyTurboJPEG loads a
+system libturbojpeg (a package the image would need); TorchCodec's decoders take torchvision's
+options, with neither a region nor a DCT scale.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""Every exception the transformer raises on purpose, in one place.
+"""The pod's exceptions, and the ones the client shares (TransformerError, ConfigError, ShardError, IncompleteShard).
 
-Each error names what a user needs to act on it: the shard, the sample key, the member and the
-reason. ``status`` is the HTTP status the server answers with; AIS surfaces it to the caller as
-``ETL error: <message>`` (docs/contract.md).
+The client's own derive from these and live in transformer/client/errors.py. Each error names what a
+user needs to act on it: the shard, the sample key, the member and the reason. ``status`` is the
+HTTP status the server answers with; AIS surfaces it to the caller as ``ETL error: <message>``
+(docs/contract.md). ``StreamAborted``, last, is no error of the transformer's but the pod's way to
+cut a response short.
 """
 
 from __future__ import annotations
@@ -104,3 +106,20 @@ class Cancelled(TransformerError):
     """The caller went away; the work stops and nothing is reported to anyone."""
 
     status = 499
+
+
+class StreamAborted(Exception):
+    """Raised out of the ASGI app so the server drops the connection mid-body (on purpose).
+
+    Control flow inside the pod, no ``TransformerError``: the failure it carries was one already (or a
+    bug), and it never reaches a caller as an answer, only as a connection cut (server/httpreply.py).
+
+    ``foreseen``: the failure is one the service answers this way by design (a ``TransformerError``:
+    a sample under ``on_error=fail``, the rest of the shard unreadable, the object timeout, the caller
+    gone), which its job logged as one line; the server's record of the exception, a traceback under
+    "Exception in ASGI application", is then left out (``server.logs.ForeseenAbortFilter``). A bug keeps it.
+    """
+
+    def __init__(self, message: str, foreseen: bool = False):
+        super().__init__(message)
+        self.foreseen = foreseen

@@ -93,7 +93,6 @@ class InputDigest:
         return {"size": self.size, "cksum_type": INPUT_CHECKSUM, "cksum": self._hash.hexdigest()}
 
 
-
 class ShardCheck:
     """Follows one shard's members as they are read and verifies its end marker.
 

@@ -23,8 +23,8 @@ class TransformPool:
     Python for every sample, holding the GIL that the transform threads and the shard's driver thread
     wait for: a ``Future`` with its ``Condition``, a work item, a ``BoundedSemaphore`` and a done
     callback. Here a task is a ``_thread`` lock (released when it ran) and the queue and the in-flight
-    slots are ``queue.SimpleQueue`` (C). ``python -m bench.pool`` measures the two; docs/performance.md
-    gives the figure. Only what the engine uses of a future is kept: ``done``, ``result`` and
+    slots are ``queue.SimpleQueue`` (C). ``python -m bench.experiments.pool`` measures the two;
+    docs/performance.md gives the figure. Only what the engine uses of a future is kept: ``done``, ``result`` and
     ``cancel`` (a task not started yet is skipped).
     """
 

@@ -6,7 +6,7 @@ callback (the usual way to bound it), once through ``TransformPool``. Prints pro
 the pool itself costs, nearly all of it Python holding the GIL that the transform threads and the
 shard's driver thread share.
 
-Decided: the hand-written ``engine.TransformPool`` over ``ThreadPoolExecutor`` (9 against 16 us per task; one
+Decided: the hand-written ``pool.TransformPool`` over ``ThreadPoolExecutor`` (9 against 16 us per task; one
 run, not kept: docs/performance.md "Cores: threads, then worker processes" gives it as an estimate).
 """
 

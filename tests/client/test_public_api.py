@@ -6,6 +6,8 @@ import importlib
 import re
 from pathlib import Path
 
+import pytest
+
 import transformer.client as client
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "client.md"
@@ -54,3 +56,26 @@ def test_every_name_the_lower_level_section_lists_is_in_its_module() -> None:
             assert hasattr(module, name), f"{module.__name__} has no {name}"
             checked += 1
     assert checked >= 20
+
+
+def test_every_moved_name_resolves_from_its_module_with_a_warning() -> None:
+    """The names the package exported before: the very object of their module now, with a DeprecationWarning."""
+    assert len(client._MOVED) == 29
+    assert not set(client._MOVED) & set(client.__all__)
+    for name, module in client._MOVED.items():
+        with pytest.warns(DeprecationWarning, match=rf"use 'from {re.escape(module)} import {name}'"):
+            value = getattr(client, name)
+        assert value is getattr(importlib.import_module(module), name)
+
+
+def test_an_old_import_statement_still_works() -> None:
+    with pytest.warns(DeprecationWarning, match="transformer.client.reading"):
+        from transformer.client import open_shard
+    from transformer.client.reading import open_shard as new
+    assert open_shard is new
+
+
+def test_an_unknown_name_raises_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="no_such_name"):
+        client.no_such_name  # noqa: B018
+    assert not hasattr(client, "_MOVED_nothing")

@@ -15,7 +15,8 @@ import torch
 from webdataset.tariterators import base_plus_ext
 
 from testbed.shardgen import make_tar, npy_bytes, sealed
-from transformer.client import ErrorCounter, make_loader
+from transformer.client import ClientError, ErrorCounter, make_loader
+from transformer.client.errors import DuplicateMember
 from transformer.client.reading import MalformedMember, shard_samples, split_key
 from transformer.wire import plain_file, plain_member, ustar_header
 
@@ -54,6 +55,14 @@ def test_arrays_are_what_np_load_reads() -> None:
         want = np.load(io.BytesIO(raw))
         assert isinstance(got, np.ndarray) and got.dtype == want.dtype and got.shape == want.shape, key
         assert np.array_equal(got, want) and got.flags.f_contiguous == want.flags.f_contiguous, key
+
+
+def test_a_sample_with_two_members_of_one_extension_is_a_client_error_by_name() -> None:
+    data = shard_of([("a.cls", b"1"), ("a.cls", b"2"), ("b.cls", b"3")])
+    with pytest.raises(DuplicateMember, match=r"s\.tar: sample 'a' has two 'cls' members") as raised:
+        list(shard_samples(io.BytesIO(data), "s.tar"))
+    assert isinstance(raised.value, ClientError) and isinstance(raised.value, ValueError)
+    assert (raised.value.key, raised.value.extension) == ("a", "cls")
 
 
 @pytest.mark.parametrize("change", [+8, -8])

@@ -13,11 +13,16 @@ resumable stream of samples), ``epoch`` (an epoch's shard order, ErrorCounter), 
 webdataset way: ``web_loader``, ``etl_dataset``, a ``wds.WebLoader`` over whole shards),
 ``prefetch`` (CudaPrefetcher), ``convert`` (folder datasets -> shards in a bucket), ``shuffle``
 (dSort), ``offline`` (an ETL'd copy of a bucket, job errors, pod logs), ``download`` (links fetched
-and transformed by the pods, stored in a bucket), ``dali`` (external_source feeder).
+and transformed by the pods, stored in a bucket), ``sync`` (``wds-transform sync``'s work), ``dali``
+(external_source feeder).
 
 ``__all__`` is what a training job uses (docs/client.md); each module's own names (the helpers
-under these, job records, the wire's encoders) are imported from that module.
+under these, job records, the wire's encoders) are imported from that module. The names the package
+exported before it held only ``__all__`` still resolve, from their module, with a DeprecationWarning.
 """
+
+import importlib
+import warnings
 
 from ..errors import IncompleteShard
 from .convert import convert
@@ -77,3 +82,46 @@ __all__ = [
     "web_loader",
     "whole_shard_samples",
 ]
+
+# Names once exported here, now imported from their module: each resolves lazily, with a warning.
+_MOVED = {
+    "Changes": "transformer.client.incremental",
+    "ConvertError": "transformer.client.errors",
+    "ConvertReport": "transformer.client.convert",
+    "DownloadJob": "transformer.client.download",
+    "EtlBatchSource": "transformer.client.dali",
+    "EtlLoader": "transformer.client.loader",
+    "EtlNameError": "transformer.client.errors",
+    "EtlWebDataset": "transformer.client.webloader",
+    "OfflineJob": "transformer.client.offline",
+    "PrefetchStats": "transformer.client.prefetch",
+    "Registration": "transformer.client.registration",
+    "ResumeError": "transformer.client.errors",
+    "ShuffleResult": "transformer.client.shuffle",
+    "check_offline_options": "transformer.client.offline",
+    "dsort_framework": "transformer.client.shuffle",
+    "encode_etl_args": "transformer.client.urls",
+    "find_changes": "transformer.client.incremental",
+    "measure_seconds_per_image": "transformer.apply",
+    "object_errors": "transformer.client.offline",
+    "open_shard": "transformer.client.reading",
+    "path_escape": "transformer.client.urls",
+    "pod_urls": "transformer.client.urls",
+    "read_etl_shards": "transformer.client.dali",
+    "set_etl_args": "transformer.client.urls",
+    "shard_samples": "transformer.client.reading",
+    "tarfile_to_whole_samples": "transformer.client.reading",
+    "validate_name": "transformer.client.etlspec",
+    "wait_download": "transformer.client.download",
+    "wait_transform": "transformer.client.offline",
+}
+
+
+def __getattr__(name: str) -> object:
+    """An old name, from the module that holds it now, with a DeprecationWarning naming that module."""
+    module = _MOVED.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"'from transformer.client import {name}' is deprecated: use 'from {module} import {name}'",
+                  DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(module), name)

@@ -95,7 +95,7 @@ class SharedSlots:
     A worker's batch reaches the main process through shared memory. Left to itself, torch copies each
     batch into a new shared-memory segment, and a new segment is new memory that the kernel hands out
     4 KB at a time on the first write (shared memory gets no huge pages by default): for float32 that
-    cost three times the reading itself (``python -m bench.loader_ab``). Here the worker
+    cost three times the reading itself (``python -m bench.experiments.loader_ab``). Here the worker
     writes each batch into a segment of its own from the start, so torch sends it as it is, and
     reuses the segment for a later batch once ``flags`` says the main process is done with it.
 

@@ -52,6 +52,16 @@ class SampleError(ClientError, ValueError):
         self.reason = reason
 
 
+class DuplicateMember(ClientError, ValueError):
+    """A sample of a shard holds two members with one extension: the shard's own content, not a cut."""
+
+    def __init__(self, url: str, key: str, extension: str):
+        super().__init__(f"{url}: sample '{key}' has two '{extension}' members")
+        self.url = url
+        self.key = key
+        self.extension = extension
+
+
 class ConvertError(ClientError):
     """A dataset folder cannot be converted (layout not recognized, nothing to write)."""
 

@@ -1,5 +1,7 @@
-"""The ETL's spec, apart from AIS: name checks, the object timeout rule, ``EtlSettings`` and its init message,
-its YAML for ``ais etl init -f``, and what differs between two init messages.
+"""The ETL's spec, apart from AIS: ``EtlSettings``, its init message and YAML, name and timeout rules.
+
+Name checks, the object timeout rule, ``EtlSettings`` and its init message, its YAML for ``ais etl
+init -f``, and what differs between two init messages.
 
 ``EtlSettings`` holds everything that defines the pod (image, communication type, timeouts, the
 service's ``ETL_*`` environment). ``init_message`` is what ``transformer.client.registration``

@@ -41,7 +41,7 @@ from ..errors import IncompleteShard, ShardError
 from ..integrity import ShardCheck
 from ..shards import Chunks, Member, TarHeaders, decompressed, header_from
 from ..wire import BLOCK, END_MARKER_NAME, plain_member
-from .errors import ShardFetchError, SharedMemoryError
+from .errors import DuplicateMember, ShardFetchError, SharedMemoryError
 
 log = logging.getLogger("transformer.client")
 
@@ -175,13 +175,13 @@ def shard_samples(stream: BinaryIO, url: str, *, require_marker: bool = True, ar
                 continue
             extension = extension.lower()
             if extension in fields:
-                raise _Duplicate(f"{url}: sample '{key}' has two '{extension}' members")
+                raise DuplicateMember(url, key, extension)
             if arrays and (extension == "npy" or extension.endswith(".npy")):
                 fields[extension] = _array(chunks, size, name, url, fields, extension, place)
                 continue
             data = _payload(chunks, size, name, url)
             fields[extension] = data if type(data) is bytes else bytes(data)
-    except (IncompleteShard, _Duplicate, SharedMemoryError):  # the last: no room for a batch, not a bad shard
+    except (IncompleteShard, DuplicateMember, SharedMemoryError):  # the last: no room for a batch, not a bad shard
         raise
     except ShardError as exc:
         raise check.incomplete(exc.reason) from None
@@ -195,10 +195,6 @@ def shard_samples(stream: BinaryIO, url: str, *, require_marker: bool = True, ar
         yield fields
     if require_marker:
         check.finish()
-
-
-class _Duplicate(ValueError):
-    """Two members of one sample with one extension: the shard's own content, not a cut."""
 
 
 _NO_KEY = (None, None)

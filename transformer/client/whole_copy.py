@@ -1,5 +1,6 @@
-"""An offline job's destination, proven whole by the client: every object asked for is either among the
-job's recorded errors or stored with its end marker.
+"""An offline job's destination, proven whole by the client: each object is a recorded error or whole.
+
+Every object asked for is either among the job's recorded errors or stored with its end marker.
 
 AIS's job status alone cannot tell: an offline ``ws`` job whose object fails after the first byte
 stores the cut tar and records nothing when the destination is on the same target, and with a direct

@@ -1,8 +1,10 @@
-"""The AIS ETL service. ``create_app()`` builds the ASGI app from the environment; ``wds-transform serve``
-runs it under uvicorn (``uvicorn --factory transformer.server:create_app`` does the same, without the
-direct-send protocols and the service's log config, ``logs.serve_log_config``: the host's logging is the
-runner's). Importing this package builds nothing: ``transformer.server.app`` is built on
-first access, for ``uvicorn transformer.server:app``.
+"""The AIS ETL service: ``create_app()``, the ASGI app built from the environment.
+
+``wds-transform serve`` (transformer/serve.py) runs it under uvicorn (``uvicorn --factory
+transformer.server:create_app`` does the same, without the direct-send protocols and the service's
+log config, ``logs.serve_log_config``: the host's logging is the runner's). Importing this package
+builds nothing: ``transformer.server.app`` is built on first access, for ``uvicorn
+transformer.server:app``.
 """
 
 from __future__ import annotations

@@ -13,26 +13,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from ..errors import InternalError, TransformerError
+from ..errors import InternalError, StreamAborted, TransformerError
 from ..redact import redact_bytes
 from .direct import STALL_SECONDS, drained
 from .output import Chunk, End, Failure, Final, Output
 
 TAR_CONTENT_TYPE = "application/x-tar"
-
-
-class StreamAborted(Exception):
-    """Raised out of the ASGI app so the server drops the connection mid-body (on purpose).
-
-    ``foreseen``: the failure is one the service answers this way by design (a ``TransformerError``:
-    a sample under ``on_error=fail``, the rest of the shard unreadable, the object timeout, the caller
-    gone), which its job logged as one line; the server's record of the exception, a traceback under
-    "Exception in ASGI application", is then left out (``logs.ForeseenAbortFilter``). A bug keeps it.
-    """
-
-    def __init__(self, message: str, foreseen: bool = False):
-        super().__init__(message)
-        self.foreseen = foreseen
 
 
 async def respond_http(output: Output, send: Callable, transport: asyncio.Transport | None,

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 
+from ..errors import StreamAborted
 from ..redact import uvicorn_log_config
-from .httpreply import StreamAborted
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
