@@ -201,7 +201,7 @@ def test_pings_through_a_direct_ws_reply_that_fails_and_the_next_reply_on_its_co
 # --- TLS: uvicorn serving https (its --ssl-certfile) --------------------------------------------------
 
 # `wds-transform serve` has no TLS options; someone running uvicorn with the service's protocols and a
-# certificate gets this server: cli._serve's uvicorn options plus ssl_certfile/ssl_keyfile.
+# certificate gets this server: transformer.serve's uvicorn options plus ssl_certfile/ssl_keyfile.
 _TLS_SERVER = """
 import sys
 

@@ -7,8 +7,7 @@ import logging
 import logging.config
 import sys
 
-from transformer.errors import TransformerError
-from transformer.server.httpreply import StreamAborted
+from transformer.errors import StreamAborted, TransformerError
 from transformer.server.logs import ForeseenAbortFilter, quiet_foreseen_aborts, serve_log_config
 
 
