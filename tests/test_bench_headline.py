@@ -31,8 +31,34 @@ def test_a_changed_figure_or_an_older_run_is_caught(doc: Path) -> None:
     assert headline.problems(doc, newest, text.replace(generated, edited)) == [
         f"{doc.relative_to(headline.REPO)}: its table differs from {newest.relative_to(headline.REPO)}/results.json "
         "(python -m bench.headline --docs)"]
-    other = next(p.parent for p in sorted(headline.ROOT.glob("*/results.json")) if p.parent != newest)
-    assert "the newest run is" in headline.problems(doc, other, text)[0]
+
+
+@pytest.mark.parametrize("name", ["README.md", "docs/performance.md"])
+def test_a_table_goes_stale_when_a_newer_run_exists(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    name: str) -> None:
+    """Two runs of its own in tmp_path: a table made from the older one is stale once the newer one exists."""
+    results = json.loads((report.newest_run(headline.ROOT) / "results.json").read_text())
+    root = tmp_path / "bench" / "results" / "headline"
+    older, newer = root / "20261127-2114-1111111", root / "20261130-0900-2222222"
+    for run_folder, git in ((older, "1111111"), (newer, "2222222")):
+        run_folder.mkdir(parents=True)
+        results["meta"]["git"] = git
+        (run_folder / "results.json").write_text(json.dumps(results))
+    monkeypatch.setattr(headline, "REPO", tmp_path)
+    monkeypatch.setattr(headline, "ROOT", root)
+    monkeypatch.setattr(headline, "README", tmp_path / "README.md")
+    doc = tmp_path / name
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(f"# Title\n\n{headline.block(older, doc)}\n\nAfter the table.\n")
+    assert report.newest_run(root) == newer
+    assert headline.problems(doc, older) == []
+    assert headline.stale((doc,)) == [
+        f"{name}: its table is from bench/results/headline/{older.name}, the newest run is "
+        f"bench/results/headline/{newer.name} (python -m bench.headline --docs)"]
+    headline.write_docs((doc,))
+    assert headline.stale((doc,)) == []
+    assert "at commit 2222222" in doc.read_text().replace("\n", " ")
+    assert doc.read_text().startswith("# Title\n\n") and doc.read_text().endswith("\n\nAfter the table.\n")
 
 
 def test_the_readme_table_keeps_to_120_characters_and_performance_has_every_row() -> None:
@@ -46,11 +72,15 @@ def test_the_readme_table_keeps_to_120_characters_and_performance_has_every_row(
 
 
 def test_the_newest_run_is_the_latest_folder_with_results(tmp_path: Path) -> None:
-    for name in ("20261121-1832-88f6bb0", "20261127-2026-45ac9ec", "20261130-0900-0000000"):
+    for name in ("20261121-1832-1111111", "20261127-2026-2222222", "20261130-0900-0000000"):
         (tmp_path / name).mkdir()
-    for name in ("20261121-1832-88f6bb0", "20261127-2026-45ac9ec"):
+    for name in ("20261121-1832-1111111", "20261127-2026-2222222"):
         (tmp_path / name / "results.json").write_text("{}")
-    assert report.newest_run(tmp_path) == tmp_path / "20261127-2026-45ac9ec"  # the latest holds no results
+    assert report.newest_run(tmp_path) == tmp_path / "20261127-2026-2222222"  # the latest holds no results
+    single = tmp_path / "single"
+    (single / "20261127-2114-3333333").mkdir(parents=True)
+    (single / "20261127-2114-3333333" / "results.json").write_text("{}")
+    assert report.newest_run(single) == single / "20261127-2114-3333333"  # one kept run is the newest
     with pytest.raises(FileNotFoundError, match="no run with a results.json"):
         report.newest_run(tmp_path / "20261130-0900-0000000")
     started = time.mktime((2026, 11, 27, 20, 26, 0, 0, 0, -1))
