@@ -3,7 +3,8 @@
 It runs ``python -m bench.run`` at the size below (a few minutes on 2 cores) into a folder named for the
 run's start and commit, ``bench/results/headline/<date>-<time>-<commit>/``, whose report records the
 commit, the date, the machine's CPUs and the load average at the start and the end; then it rewrites the
-headline tables of README.md and docs/performance.md from the newest such run. tests/test_docs.py fails
+headline tables of README.md and docs/performance.md from the newest such run, and removes the older runs
+(one run is kept; git keeps the ones before it). tests/test_docs.py fails
 when a table differs from what its run's ``results.json`` gives.
 
     python -m bench.headline            # measure, then rewrite the tables
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -193,8 +195,20 @@ def main(argv: list[str] | None = None) -> int:
         if done != 0:
             return done
     write_docs()
-    print(f"tables rewritten from {report.newest_run(ROOT).relative_to(REPO)}", file=sys.stderr)
+    newest = report.newest_run(ROOT)
+    print(f"tables rewritten from {newest.relative_to(REPO)}", file=sys.stderr)
+    if not args.docs:
+        for older in replace_older(ROOT, newest):
+            print(f"{older.relative_to(REPO)} removed: one run is kept, git keeps the older ones", file=sys.stderr)
     return 0
+
+
+def replace_older(root: Path, newest: Path) -> list[Path]:
+    """Remove every run under ``root`` but ``newest`` (bench/results keeps one run of an experiment); the removed."""
+    removed = [run_dir for run_dir in sorted(root.iterdir()) if run_dir.is_dir() and run_dir != newest]
+    for run_dir in removed:
+        shutil.rmtree(run_dir)
+    return removed
 
 
 if __name__ == "__main__":

@@ -121,3 +121,13 @@ def test_a_loaded_run_says_so_above_its_table() -> None:
     machine = json.loads((newest / "results.json").read_text())["meta"]["machine"]
     text = " ".join(headline.block(newest, headline.PERFORMANCE).splitlines())
     assert ("Taken under load" in text) == headline.loaded(machine)
+
+
+def test_a_new_run_replaces_the_older_ones(tmp_path: Path) -> None:
+    for name in ("20261121-1832-88f6bb0", "20261127-2026-45ac9ec", "20261128-0100-1234567"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text("{}")
+    newest = report.newest_run(tmp_path)
+    removed = headline.replace_older(tmp_path, newest)
+    assert [p.name for p in removed] == ["20261121-1832-88f6bb0", "20261127-2026-45ac9ec"]
+    assert [p.name for p in tmp_path.iterdir()] == ["20261128-0100-1234567"]
