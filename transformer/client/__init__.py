@@ -21,7 +21,7 @@ under these, job records, the wire's encoders) are imported from that module. Th
 exported before it held only ``__all__`` still resolve, from their module, with a DeprecationWarning.
 """
 
-import importlib
+import sys
 import warnings
 
 from ..errors import IncompleteShard
@@ -124,4 +124,13 @@ def __getattr__(name: str) -> object:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     warnings.warn(f"'from transformer.client import {name}' is deprecated: use 'from {module} import {name}'",
                   DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module(module), name)
+    # Imported by name in code, never by a string: the package imports no module a caller names.
+    if module == "transformer.apply":
+        from .. import apply as home
+    elif module == "transformer.client.dali":
+        from . import dali as home
+    elif module == "transformer.client.incremental":
+        from . import incremental as home
+    else:
+        home = sys.modules[module]  # imported above, with the names of __all__
+    return getattr(home, name)
