@@ -302,7 +302,7 @@ class CurlSink:
     def __init__(self):
         import resource
 
-        from transformer.server.direct import drop_sent
+        from transformer.server.ipc import drop_sent
 
         self._resource, self._drop_sent = resource, drop_sent
         self._listener = socket.create_server(("127.0.0.1", 0))

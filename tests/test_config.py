@@ -62,6 +62,7 @@ def test_every_variable_is_read(tls_files: TlsFiles) -> None:
         "ETL_WINDOW": "3",
         "ETL_MAX_INFLIGHT": "9",
         "ETL_OBJ_TIMEOUT": "1m30s",
+        "ETL_WORKER_TIMEOUT": "45s",
         "ETL_MAX_MEMBER_BYTES": "1024",
         "ETL_MAX_SHARD_BYTES": "1048576",
         "ETL_MAX_IMAGE_PIXELS": "4096",
@@ -88,7 +89,7 @@ def test_every_variable_is_read(tls_files: TlsFiles) -> None:
     assert (s.dtype, s.layout, s.on_error, s.seed) == ("float16", "HWC", "fail", -12)
     assert s.image_exts == {"jpg", "png", "tif"} and s.mask_exts == {"label.png"}
     assert (s.workers, s.processes, s.window, s.max_inflight) == (5, 2, 3, 9)
-    assert s.obj_timeout == 90.0
+    assert (s.obj_timeout, s.worker_timeout) == (90.0, 45.0)
     assert (s.max_member_bytes, s.max_shard_bytes, s.max_image_pixels) == (1024, 2**20, 4096)
     assert s.fqn_roots == (os.path.realpath("/ais/mp1"), os.path.realpath("/ais/mp3"))
     assert s.error_manifest is False and s.direct_send is False and s.crop_decode is False
@@ -113,9 +114,9 @@ def test_window_and_inflight_default_from_workers() -> None:
     assert (settings.window, settings.max_inflight) == (10, 80)
     settings = Settings.from_env({"ETL_WORKERS": "4", "ETL_PROCESSES": "0", "ETL_WINDOW": "3"})
     assert (settings.window, settings.max_inflight) == (3, 24)  # room for 8 shards' windows
-    # In worker processes a shard runs on its process's threads (3 here); each process has room for 8 windows.
+    # A shard's samples run on every thread, in worker processes too; each process has room for 8 windows.
     settings = Settings.from_env({"ETL_WORKERS": "8"})
-    assert (settings.processes, settings.window, settings.max_inflight) == (3, 8, 192)
+    assert (settings.processes, settings.window, settings.max_inflight) == (3, 18, 432)
 
 
 @pytest.mark.parametrize(

@@ -33,14 +33,16 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "ETL_IMAGE_EXTS": ("jpg,jpeg,png,webp", "Member extensions (last suffix) decoded as images."),
     "ETL_MASK_EXTS": ("trimap.png,mask.png,seg.png", "Full member extensions treated as masks."),
     "ETL_WORKERS": ("", "Transform threads in all; empty = the CPUs this container may use (cgroup aware)."),
-    "ETL_PROCESSES": ("", "Transform worker processes the threads are spread over (each shard runs in one); 0 = "
-                      "the server's own process. Empty = 0 up to 4 workers, else one per 3 workers "
-                      "(docs/performance.md, \"Cores\")."),
-    "ETL_WINDOW": ("", "Samples in flight per shard; empty = 2 x the threads a shard runs on + 2 (workers, or "
-                   "workers / processes)."),
+    "ETL_PROCESSES": ("", "Transform worker processes the threads are spread over (each shard is led by one and its "
+                      "samples run in all); 0 = the server's own process. Empty = 0 up to 4 workers, else one per 3 "
+                      "workers (docs/performance.md, \"Cores\")."),
+    "ETL_WINDOW": ("", "Samples in flight per shard; empty = 2 x workers + 2."),
     "ETL_MAX_INFLIGHT": ("", "Samples in flight across all shards (memory: each holds its input and, once "
                          "transformed, its output until written); empty = 8 x the window, per process."),
     "ETL_OBJ_TIMEOUT": ("300s", "Time budget per object, same as the ETL's obj_timeout (Go duration or seconds)."),
+    "ETL_WORKER_TIMEOUT": ("20s", "With worker processes: a worker whose heartbeat is this late (stopped, or hung in "
+                           "native code), or one of whose samples runs this long, is killed and replaced; the shards "
+                           "it led fail by name. Detected within 2 x this (docs/reliability.md)."),
     "ETL_MAX_MEMBER_BYTES": ("268435456", "Largest tar member accepted (bytes); larger fails the shard."),
     "ETL_MAX_SHARD_BYTES": ("17179869184", "Largest shard accepted (bytes, any comm type); larger is refused with 413. "
                             "Also caps ws content messages, which are held in memory whole."),
@@ -104,8 +106,8 @@ def processes_for(workers: int) -> int:
     return 0 if workers <= 4 else math.ceil(workers / 3)
 
 
-def shard_threads(workers: int, processes: int) -> int:
-    """The transform threads one shard runs on: all of them, or those of the one worker process it is given."""
+def process_threads(workers: int, processes: int) -> int:
+    """The transform threads of one worker process (``processes`` > 0) or of the server's (0)."""
     return workers if processes == 0 else math.ceil(workers / processes)
 
 
@@ -154,6 +156,7 @@ class Settings:
     window: int = 4
     max_inflight: int = 8
     obj_timeout: float = 300.0
+    worker_timeout: float = 20.0
     max_member_bytes: int = 256 * 2**20
     max_shard_bytes: int = 16 * 2**30
     max_image_pixels: int = 100_000_000
@@ -218,7 +221,8 @@ class Settings:
         if processes > workers:
             raise ConfigError("ETL_PROCESSES", f"{processes} processes for {workers} transform threads (ETL_WORKERS): "
                               "each process needs at least one")
-        window = integer("ETL_WINDOW", 1, default=2 * shard_threads(workers, processes) + 2)
+        # A shard's samples run on every thread, in worker processes too (server/spread.py).
+        window = integer("ETL_WINDOW", 1, default=2 * workers + 2)
         image_exts = frozenset(e.strip().lower().lstrip(".") for e in get("ETL_IMAGE_EXTS").split(",") if e.strip())
         if not image_exts:
             raise ConfigError("ETL_IMAGE_EXTS", "needs at least one extension")
@@ -270,6 +274,7 @@ class Settings:
             # sample, a wake-up per sample (docs/performance.md gives the figure).
             max_inflight=integer("ETL_MAX_INFLIGHT", 1, default=MAX_INFLIGHT_SHARDS * window * max(1, processes)),
             obj_timeout=parse_duration(get("ETL_OBJ_TIMEOUT"), "ETL_OBJ_TIMEOUT"),
+            worker_timeout=parse_duration(get("ETL_WORKER_TIMEOUT"), "ETL_WORKER_TIMEOUT"),
             max_member_bytes=integer("ETL_MAX_MEMBER_BYTES", 1),
             max_shard_bytes=integer("ETL_MAX_SHARD_BYTES", 1),
             max_image_pixels=integer("ETL_MAX_IMAGE_PIXELS", 1),

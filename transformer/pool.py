@@ -6,6 +6,7 @@ import _thread
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError
 
@@ -28,7 +29,7 @@ class TransformPool:
     ``cancel`` (a task not started yet is skipped).
     """
 
-    def __init__(self, workers: int, max_inflight: int):
+    def __init__(self, workers: int, max_inflight: int, on_load: Callable[[int], None] | None = None):
         # One intra-op thread per worker: the parallelism is across samples, not inside one op.
         torch.set_num_threads(1)
         self.workers = workers
@@ -37,7 +38,12 @@ class TransformPool:
         for _ in range(max_inflight):
             self._slots.put(None)
         self._closed = False
-        self._threads = [threading.Thread(target=self._work, name=f"transform_{i}", daemon=True)
+        # Tasks queued or running, published through ``on_load`` (a worker process's slot on the board).
+        self._load_lock = threading.Lock()
+        self.busy = 0
+        self._on_load = on_load
+        self.started = [0.0] * workers  # per thread: when its running task started (time.monotonic()), or 0
+        self._threads = [threading.Thread(target=self._work, args=(i,), name=f"transform_{i}", daemon=True)
                          for i in range(workers)]
         for thread in self._threads:
             thread.start()
@@ -48,24 +54,66 @@ class TransformPool:
 
         ``on_done`` runs in the pool's thread once the task ran or was skipped (``done()`` is true).
         """
+        self.acquire(cancel)
+        task = Task(fn, args, on_done)
+        self._put(task)
+        return task
+
+    def acquire(self, cancel: threading.Event | None = None) -> None:
+        """Take an in-flight slot (``submit`` does; so does work sent to another process, ``release`` after)."""
         while True:
             if self._closed:
                 raise RuntimeError("the transform pool is shut down")
             try:
                 self._slots.get(timeout=0.1)
-                break
+                return
             except queue.Empty:
                 if cancel is not None and cancel.is_set():
                     raise Cancelled("cancelled while waiting for a transform slot") from None
-        task = Task(fn, args, on_done)
-        self._tasks.put(task)
-        return task
 
-    def _work(self) -> None:
-        take, free = self._tasks.get, self._slots.put
+    def release(self) -> None:
+        """Give back a slot taken with ``acquire`` for work that did not run here."""
+        self._slots.put(None)
+
+    def enqueue(self, task: Task) -> None:
+        """Queue ``task`` on the slot the caller took with ``acquire`` (freed when it ran)."""
+        self._put(task)
+
+    def run(self, task: Task) -> None:
+        """Queue ``task`` without taking a slot: work whose memory another bound already counts (a sample
+        another worker process's shard sent here, a sample run again here after its worker died)."""
+        if self._closed:
+            raise RuntimeError("the transform pool is shut down")
+        task.unslotted = True
+        self._put(task)
+
+    def _put(self, task: Task) -> None:
+        if self._on_load is not None:
+            self._count(1)
+        self._tasks.put(task)
+
+    def _count(self, change: int) -> None:
+        with self._load_lock:
+            self.busy += change
+            on_load = self._on_load
+            if on_load is not None:
+                on_load(self.busy)
+
+    def oldest(self) -> float:
+        """When the longest-running task started (``time.monotonic()``), or 0 when none runs."""
+        return min((started for started in self.started if started), default=0.0)
+
+    def _work(self, index: int) -> None:
+        take, free, started, clock = self._tasks.get, self._slots.put, self.started, time.monotonic
+        counted = self._on_load is not None
         while (task := take()) is not None:
+            started[index] = clock()
             task.run()
-            free(None)
+            started[index] = 0.0
+            if counted:
+                self._count(-1)
+            if not task.unslotted:
+                free(None)
 
     def shutdown(self) -> None:
         """Skip the tasks not started, let the running ones finish, stop the threads."""
@@ -78,7 +126,8 @@ class TransformPool:
             if task is not None:
                 task.cancel()
                 task.run()
-                self._slots.put(None)
+                if not task.unslotted:
+                    self._slots.put(None)
         for _ in self._threads:
             self._tasks.put(None)
         for thread in self._threads:
@@ -88,9 +137,10 @@ class TransformPool:
 class Task:
     """One sample's work in the pool; what the engine uses of a future."""
 
-    __slots__ = ("_call", "_value", "_error", "_cancelled", "_finished", "_on_done")
+    __slots__ = ("_call", "_value", "_error", "_cancelled", "_finished", "_on_done", "unslotted")
 
     def __init__(self, fn: Callable, args: tuple, on_done: Callable[[], None] | None = None):
+        self.unslotted = False
         self._call: tuple[Callable, tuple] | None = (fn, args)
         self._value = self._error = None
         self._cancelled = False

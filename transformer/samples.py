@@ -10,10 +10,12 @@ member passes through byte-exact. Nothing here knows about HTTP or tar framing.
 from __future__ import annotations
 
 import io
+import math
 import re
 import tarfile
 import threading
 from collections import Counter
+from collections.abc import Callable
 from functools import lru_cache
 
 import numpy as np
@@ -105,6 +107,30 @@ def transform_sample(sample: Sample, options: TransformOptions, shard: str, obje
     return result
 
 
+_outputs = threading.local()  # per transform thread: where its output arrays go (``transform_into``)
+
+
+def transform_into(allocate: Callable[[int], memoryview | None], sample: Sample, options: TransformOptions, shard: str,
+                   object_name: str) -> list[Member]:
+    """``transform_sample`` with each image's output array written straight into ``allocate(nbytes)``'s
+    buffer (shared memory another process writes out from, server/spread.py); None: an ordinary array.
+    The bytes are the same either way."""
+    _outputs.allocate = allocate
+    try:
+        return transform_sample(sample, options, shard, object_name)
+    finally:
+        _outputs.allocate = None
+
+
+def _output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """An output tensor in the buffer ``transform_into`` gives this thread, or None (allocate one as usual)."""
+    allocate = getattr(_outputs, "allocate", None)
+    if allocate is None:
+        return None
+    view = allocate(math.prod(shape) * dtype.itemsize)
+    return None if view is None else torch.frombuffer(view, dtype=dtype).view(shape)
+
+
 def _typed(inputs: list) -> list:
     if len(inputs) > 1:
         # Images decode as plain tensors: alone, v2 transforms a plain tensor as the image and calls its
@@ -181,13 +207,18 @@ def decode_paths() -> dict[tuple[str, str], int]:
         return dict(_paths)
 
 
-def _member_bytes(member: Member, shard: str, key: str) -> bytearray:
+def _member_bytes(member: Member, shard: str, key: str) -> bytearray | memoryview:
     pieces = member.pieces
-    # A large member arrives in its own bytearray (shards.Chunks): the decoder reads it in place.
-    data = pieces[0] if len(pieces) == 1 and type(pieces[0]) is bytearray else bytearray(member.data)
+    # A large member arrives in its own bytearray (shards.Chunks), or in shared memory from the shard's
+    # leader (server/spread.py): the decoder reads it in place. Anything else becomes one bytearray.
+    data = pieces[0] if len(pieces) == 1 and _in_place(pieces[0]) else bytearray(member.data)
     if not data:
         raise SampleTransformError(shard, key, member.info.name, "empty image member (0 bytes)")
     return data
+
+
+def _in_place(piece: bytes | bytearray | memoryview) -> bool:
+    return type(piece) is bytearray or (type(piece) is memoryview and not piece.readonly and piece.format == "B")
 
 
 def _decode(member: Member, kind: str, options: TransformOptions, shard: str, key: str):
@@ -216,7 +247,7 @@ def _jpeg_header(data: bytes) -> tuple[int, int, str] | None:
     the GIL that the other transform threads and the shard driver wait for, once per image.
     None sends the image to PIL's probe, which words the error.
     """
-    if not data.startswith(b"\xff\xd8"):
+    if data[:2] != b"\xff\xd8":
         return None
     try:
         height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
@@ -283,17 +314,22 @@ def _encode_image(tensor: torch.Tensor, options: TransformOptions, shard: str, k
         image = image.permute(1, 2, 0)
     image = image.contiguous()  # contiguous uint8 first, float math after: it is slower on a strided view
     if options.dtype == "uint8":
-        return image.numpy()
+        out = _output(tuple(image.shape), torch.uint8)
+        return image.numpy() if out is None else out.copy_(image).numpy()
     scale, shift = _affine(options.pipeline.normalize, channels, options.layout)
     if scale is None:
         raise SampleTransformError(
             shard, key, name,
             f"image has {channels} channels but Normalize has {len(options.pipeline.normalize[0])} values",
         )
-    out = image.to(torch.float32).mul_(scale).add_(shift)
     if options.dtype == "float16":
-        out = out.to(torch.float16)
-    return out.numpy()
+        out = _output(tuple(image.shape), torch.float16)
+        values = image.to(torch.float32).mul_(scale).add_(shift)
+        return values.to(torch.float16).numpy() if out is None else out.copy_(values).numpy()
+    out = _output(tuple(image.shape), torch.float32)
+    if out is None:
+        return image.to(torch.float32).mul_(scale).add_(shift).numpy()
+    return torch.mul(image, scale, out=out).add_(shift).numpy()  # the same float math, into ``out``
 
 
 @lru_cache(maxsize=32)

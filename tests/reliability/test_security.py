@@ -130,10 +130,11 @@ def test_only_allow_listed_transform_names_resolve(name: str, client: httpx.Clie
 FORBIDDEN_CALLS = {"eval", "exec", "compile", "__import__", "import_module", "getattr_static"}
 FORBIDDEN_MODULES = {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve", "importlib", "joblib"}
 SAFE_IMPORTLIB = {"resources", "metadata"}
-# Pickle only between the server process and the worker processes it started, over socketpairs no other
-# process holds (a shard's options, its report, its error); multiprocessing pickles a Process's arguments
-# the same way. Nothing from a request or a shard is ever unpickled.
-PRIVATE_PICKLE = {"server/processes.py", "server/worker.py"}
+# Pickle only between the server process and the worker processes it started, and between those workers,
+# over socketpairs the server made and no other process holds (a shard's options, its samples' descriptions,
+# its report, its error); multiprocessing pickles a Process's arguments the same way. Nothing from a request
+# or a shard is ever unpickled.
+PRIVATE_PICKLE = {"server/processes.py", "server/worker.py", "server/spread.py", "server/ipc.py"}
 
 
 def _source_files() -> list[Path]:

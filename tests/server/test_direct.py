@@ -1,4 +1,4 @@
-"""server/direct.py's DirectSender on a socket pair: exact chunked framing, partial sends, the stall
+"""server/direct.py's FrameWriter on a socket pair: exact chunked framing, partial sends, the stall
 hand-back, a gone peer, and the engine's transform threads writing through it."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from transformer.server import direct, protocols
 
 
 class FakeTransport:
-    """What DirectSender uses of uvicorn's transport: the socket, and write() for a stalled frame's rest."""
+    """What a FrameWriter uses of uvicorn's transport: the socket, and write() for a stalled frame's rest."""
 
     def __init__(self, sock: socket.socket):
         self.sock, self.written = sock, bytearray()
@@ -37,9 +37,9 @@ class FakeTransport:
         self.written += data
 
 
-class ImmediateLoop:
-    def call_soon_threadsafe(self, fn, *args) -> None:
-        fn(*args)
+def writer(transport: FakeTransport, **kwargs) -> direct.FrameWriter:
+    """The writer the server makes for a connection: a duplicate of its socket, the rest of a frame to its transport."""
+    return direct.FrameWriter(direct.socket_of(transport), transport.write, **kwargs)
 
 
 def framed(chunks: list[bytes]) -> bytes:
@@ -74,7 +74,7 @@ def send_all(chunks: list) -> tuple[bytes, list[int]]:
     received = bytearray()
     reader = threading.Thread(target=read_all, args=(peer, received))
     reader.start()
-    sender = direct.DirectSender(ImmediateLoop(), FakeTransport(ours))
+    sender = writer(FakeTransport(ours))
     assert all(sender.send(chunk, never, lambda: False) for chunk in chunks)
     assert sender.flush(never, lambda: False)
     sender.close()
@@ -111,7 +111,7 @@ def test_held_chunks_are_part_of_a_stalled_frame_handed_to_the_transport() -> No
     ours, peer = socket.socketpair()
     ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     transport = FakeTransport(ours)
-    sender = direct.DirectSender(ImmediateLoop(), transport)
+    sender = writer(transport)
     small, chunk = os.urandom(2000), os.urandom(4 << 20)
     assert sender.send(small, never, lambda: True)  # held
     assert sender.send(chunk, never, lambda: True) is False
@@ -126,7 +126,7 @@ def test_a_stalled_frame_goes_to_the_transport_when_waiting_could_deadlock() -> 
     ours, peer = socket.socketpair()
     ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     transport = FakeTransport(ours)
-    sender = direct.DirectSender(ImmediateLoop(), transport)
+    sender = writer(transport)
     chunk = os.urandom(4 << 20)  # far more than the socket pair buffers; nobody reads yet
     assert sender.send(chunk, never, lambda: True) is False
     sender.close()
@@ -139,7 +139,7 @@ def test_a_stalled_frame_goes_to_the_transport_when_waiting_could_deadlock() -> 
 
 def test_a_blocked_send_stops_when_the_job_is_cancelled() -> None:
     ours, _peer = socket.socketpair()
-    sender = direct.DirectSender(ImmediateLoop(), FakeTransport(ours))
+    sender = writer(FakeTransport(ours))
     calls = []
 
     def cancel() -> None:
@@ -155,7 +155,7 @@ def test_a_blocked_send_stops_when_the_job_is_cancelled() -> None:
 def test_a_peer_that_went_away_is_a_cancellation() -> None:
     ours, peer = socket.socketpair()
     peer.close()
-    sender = direct.DirectSender(ImmediateLoop(), FakeTransport(ours))
+    sender = writer(FakeTransport(ours))
     with pytest.raises(Cancelled, match="went away"):
         sender.send(os.urandom(1 << 20), never, lambda: False)
     sender.close()
@@ -166,7 +166,7 @@ def test_try_send_never_waits_and_the_next_send_finishes_its_frame_first() -> No
     # frame and says FULL; the driver's next send writes that rest before anything else.
     ours, peer = socket.socketpair()
     ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    sender = direct.DirectSender(ImmediateLoop(), FakeTransport(ours))
+    sender = writer(FakeTransport(ours))
     small, big, after, tail = os.urandom(100), os.urandom(4 << 20), os.urandom(200_000), b"tail"
     assert sender.try_send(small) is Write.OK  # held, as send holds it
     assert sender.try_send(big) is Write.FULL  # nobody reads yet: part of the frame is in the socket
@@ -188,7 +188,7 @@ def test_try_send_never_waits_and_the_next_send_finishes_its_frame_first() -> No
 def test_try_send_of_a_gone_peer_is_a_cancellation() -> None:
     ours, peer = socket.socketpair()
     peer.close()
-    sender = direct.DirectSender(ImmediateLoop(), FakeTransport(ours))
+    sender = writer(FakeTransport(ours))
     with pytest.raises(Cancelled, match="went away"):
         sender.try_send(os.urandom(1 << 20))
     sender.close()
@@ -198,7 +198,7 @@ def test_flush_after_try_send_writes_only_the_unfinished_frame() -> None:
     # Nothing held, only the rest of a frame: flush must not add a frame (an empty one ends the body).
     ours, peer = socket.socketpair()
     ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    sender = direct.DirectSender(ImmediateLoop(), FakeTransport(ours))
+    sender = writer(FakeTransport(ours))
     big = os.urandom(2 << 20)
     assert sender.try_send(big) is Write.FULL
     received = bytearray()
@@ -214,7 +214,7 @@ def test_flush_after_try_send_writes_only_the_unfinished_frame() -> None:
 def test_the_engines_relay_over_a_real_socket_that_fills(pool: TransformPool,
                                                          make_options: Callable[..., TransformOptions],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    # The service's writer (DirectSender.try_send) on a socket with a 4 KB buffer and a slow reader: the
+    # The service's writer (FrameWriter.try_send) on a socket with a 4 KB buffer and a slow reader: the
     # transform threads keep finding it full and the driver keeps finishing frames. The body must be the
     # driver path's bytes, in chunked framing.
     slow_transforms(monkeypatch, lambda key: random.Random(key).uniform(0, 0.005))
@@ -233,15 +233,15 @@ def test_the_engines_relay_over_a_real_socket_that_fills(pool: TransformPool,
 
     reader = threading.Thread(target=read_slowly)
     reader.start()
-    sender = direct.DirectSender(ImmediateLoop(), FakeTransport(ours))
+    sender = writer(FakeTransport(ours))
     answers: list[Write] = []
 
-    def writer(chunk) -> Write:
+    def try_send(chunk) -> Write:
         answers.append(sender.try_send(chunk))
         return answers[-1]
 
     for chunk in transform_shard(io.BytesIO(data), options, pool, shard="s", object_name="s", window=6,
-                                 writer=writer):
+                                 writer=try_send):
         assert sender.send(chunk, never, lambda: False)
     assert sender.flush(never, lambda: False)
     sender.close()
@@ -267,7 +267,7 @@ def test_a_tls_connection_is_never_written_directly() -> None:
         assert protocols.transport_of(scope) is None
         assert asyncio.run(direct.drained(transport, 1.0)) is False  # a ws reply's way to direct send
         with pytest.raises(OSError, match="TLS"):
-            direct.DirectSender(ImmediateLoop(), transport)
+            writer(transport)
 
 
 # --- ws replies (protocol_ends_message): continuation frames, the tail, a frame cut short -------------
@@ -287,9 +287,8 @@ def object_timeout() -> None:
     raise Cancelled("object timeout")
 
 
-def ws_sender(sock: socket.socket, transport: FakeTransport | None = None) -> direct.DirectSender:
-    return direct.DirectSender(ImmediateLoop(), transport or FakeTransport(sock), frame=direct.ws_continuation_frame,
-                               protocol_ends_message=True)
+def ws_sender(sock: socket.socket, transport: FakeTransport | None = None) -> direct.FrameWriter:
+    return writer(transport or FakeTransport(sock), frame=direct.ws_continuation_frame, protocol_ends_message=True)
 
 
 def test_ws_frames_carry_the_data_and_the_held_tail_is_handed_back() -> None:
@@ -345,7 +344,7 @@ def test_an_http_frame_cut_short_stays_cut() -> None:
     ours, _peer = socket.socketpair()
     ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     transport = FakeTransport(ours)
-    sender = direct.DirectSender(ImmediateLoop(), transport)
+    sender = writer(transport)
     with pytest.raises(Cancelled):
         sender.send(os.urandom(4 << 20), object_timeout, lambda: False)
     assert sender.take_tail() == b""

@@ -1,5 +1,8 @@
-"""Transform worker processes (server/processes.py): the same bytes as the threads, errors that cross the
-process boundary with their fields, and a worker that dies failing its shard by name, then replaced."""
+"""Transform worker processes (server/processes.py, worker.py, spread.py): the same bytes as the threads with
+one shard's samples spread over every worker, errors that cross the process boundary with their fields, a
+worker that dies failing the shards it led by name (the samples it ran for others run again in their
+leaders), a stopped or hung worker killed and replaced within its bound and given nothing meanwhile, and
+workers the OOM killer takes before the server."""
 
 from __future__ import annotations
 
@@ -13,12 +16,14 @@ from collections.abc import Iterator
 import pytest
 
 from testbed.shardgen import imagenet_like_members, make_tar
+from testbed.stuck import HANG_HOLDING_GIL, HANG_RELEASING_GIL, hanging_worker
 from transformer.config import Settings, processes_for
 from transformer.engine import ShardReport, transform_shard
 from transformer.errors import ConfigError, InternalError, SampleTransformError, ShardError, UpstreamError
 from transformer.options import parse_etl_args
 from transformer.pool import TransformPool
 from transformer.server.processes import RemoteShard, ShardProcesses, WorkerConfig
+from transformer.server.spread import SUSPECT_SECONDS
 
 SEEDED = '{"preset": "imagenet-train", "seed": 11, "epoch": 2}'
 
@@ -36,14 +41,15 @@ def _settings(**env: str) -> Settings:
 
 
 def _remote(processes: ShardProcesses, stream, etl_args: str = SEEDED, shard: str = "b/shard.tar",
-            report: ShardReport | None = None, cancel: threading.Event | None = None) -> RemoteShard:
+            report: ShardReport | None = None, cancel: threading.Event | None = None, window: int = 6) -> RemoteShard:
     options = parse_etl_args(etl_args, _settings())
-    return processes.transform(stream, options, shard=shard, object_name=shard, window=4, limit=1 << 34,
+    return processes.transform(stream, options, shard=shard, object_name=shard, window=window, limit=1 << 34,
                                report=report or ShardReport(shard, shard, options.on_error),
                                cancel=cancel or threading.Event(), deadline=time.monotonic() + 120)
 
 
 def _in_process(data: bytes, threads: int, etl_args: str = SEEDED) -> bytes:
+    """The threads design's output, for shard and object 'b/shard.tar' (``_remote``'s default: seeds draw by name)."""
     pool = TransformPool(threads, 16)
     try:
         options = parse_etl_args(etl_args, _settings())
@@ -101,13 +107,24 @@ def test_a_cut_tar_is_a_shard_error_and_a_failing_input_raises_its_own(processes
         b"".join(_remote(processes, Refused()))
 
 
+def test_one_shards_samples_run_in_every_worker_with_the_same_bytes(processes: ShardProcesses) -> None:
+    data = make_tar(imagenet_like_members(40))
+    expected = _in_process(data, threads=2)
+    before = processes.spread()
+    assert b"".join(_remote(processes, io.BytesIO(data))) == expected
+    deadline = time.monotonic() + 10  # the workers report every 2 s
+    while processes.spread() == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes.spread() > before  # the worker that did not lead it transformed some of its samples
+
+
 def test_a_shard_closed_midway_frees_its_worker(processes: ShardProcesses) -> None:
     data = make_tar(imagenet_like_members(20))
     remote = _remote(processes, io.BytesIO(data))
     chunks = iter(remote)
     next(chunks)
     chunks.close()  # the caller went away
-    assert _jobs(processes) == 0
+    assert _leading(processes) == 0
     assert b"".join(_remote(processes, io.BytesIO(make_tar(imagenet_like_members(2))))).endswith(b"\0" * 1024)
 
 
@@ -122,9 +139,7 @@ def test_a_killed_worker_fails_its_shard_by_name_and_a_new_one_serves(processes:
         for _ in chunks:
             pass
     assert "shard 'b/killed.tar'" in caught.value.message and "SIGKILL" in caught.value.message
-    deadline = time.monotonic() + 60
-    while (len(processes.pids()) < 2 or remote.pid in processes.pids()) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    _wait_for_workers(processes, 2, gone=remote.pid)
     after = processes.pids()
     assert len(after) == 2 and remote.pid not in after and set(before) - {remote.pid} <= set(after)
     assert processes.restarts == restarts + 1
@@ -132,23 +147,115 @@ def test_a_killed_worker_fails_its_shard_by_name_and_a_new_one_serves(processes:
     assert output.endswith(b"\0" * 1024)
 
 
+def test_the_samples_of_a_killed_helper_run_again_in_their_leader(processes: ShardProcesses) -> None:
+    data = make_tar(imagenet_like_members(120))
+    expected = _in_process(data, threads=2)
+    restarts = processes.restarts
+    remote = _remote(processes, io.BytesIO(data))
+    chunks = iter(remote)
+    output = bytearray(next(chunks))
+    helper = next(pid for pid in processes.pids() if pid != remote.pid)
+    os.kill(helper, signal.SIGKILL)  # it holds some of the shard's samples right now
+    for chunk in chunks:
+        output += chunk
+    assert bytes(output) == expected  # whole, and the same bytes
+    _wait_for_workers(processes, 2, gone=helper)
+    assert processes.restarts == restarts + 1
+
+
 def test_the_defaults_spread_threads_over_processes_from_5_workers() -> None:
     assert [processes_for(n) for n in (1, 2, 4, 5, 6, 7, 16, 64)] == [0, 0, 0, 2, 2, 3, 6, 22]
     two = _settings()
     assert (two.processes, two.window, two.max_inflight) == (0, 6, 48)
-    sixteen = _settings(ETL_WORKERS="16")
-    assert (sixteen.processes, sixteen.window, sixteen.max_inflight) == (6, 8, 8 * 8 * 6)
+    sixteen = _settings(ETL_WORKERS="16")  # a shard's samples run on all 16 threads: its window is theirs
+    assert (sixteen.processes, sixteen.window, sixteen.max_inflight) == (6, 34, 8 * 34 * 6)
     assert _settings(ETL_WORKERS="16", ETL_PROCESSES="0").window == 34
     with pytest.raises(ConfigError, match="ETL_PROCESSES"):
         _settings(ETL_PROCESSES="3")
 
 
-def _jobs(processes: ShardProcesses) -> int:
+def test_workers_are_the_oom_killers_first_choice(processes: ShardProcesses) -> None:
+    server = _oom_score_adj(os.getpid())
+    for pid in processes.pids():
+        assert _oom_score_adj(pid) == min(1000, server + 500)
+
+
+# --- a stuck worker: stopped, or hung in native code -------------------------------------------------------
+
+STALL = 3.0  # ETL_WORKER_TIMEOUT of the processes below
+
+
+@pytest.fixture(scope="module")
+def hanging() -> Iterator[ShardProcesses]:
+    """Two workers that hang on marked images (testbed.stuck), killed when silent for STALL seconds."""
+    workers = ShardProcesses(2, WorkerConfig(threads=1, max_inflight=16, log_level="warning", ais_target_url="",
+                                             stall=STALL), target=hanging_worker)
+    workers.wait_ready(120)
+    yield workers
+    workers.shutdown()
+
+
+def test_a_stopped_worker_gets_nothing_new_and_is_replaced_within_its_bound(hanging: ShardProcesses) -> None:
+    restarts = hanging.restarts
+    stopped = _remote(hanging, io.BytesIO(make_tar(imagenet_like_members(200))), shard="b/stopped.tar")
+    chunks = iter(stopped)
+    next(chunks)
+    os.kill(stopped.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    time.sleep(SUSPECT_SECONDS + 0.5)
+    # Meanwhile every new shard goes to the other worker, and none of its samples to the stopped one.
+    data = make_tar(imagenet_like_members(12))
+    expected = _in_process(data, threads=2)
+    for _ in range(3):
+        remote = _remote(hanging, io.BytesIO(data))
+        assert remote.pid != stopped.pid
+        assert b"".join(remote) == expected
+    with pytest.raises(InternalError) as caught:
+        for _ in chunks:
+            pass
+    found = time.monotonic() - started
+    assert "shard 'b/stopped.tar'" in caught.value.message and "stopped answering" in caught.value.message
+    assert found < STALL + 3.0, found
+    _wait_for_workers(hanging, 2, gone=stopped.pid)
+    assert hanging.restarts == restarts + 1
+
+
+@pytest.mark.parametrize("marker", [HANG_HOLDING_GIL, HANG_RELEASING_GIL], ids=["holding-the-gil", "releasing-it"])
+def test_a_hang_in_native_code_fails_its_shard_by_name_and_the_worker_is_replaced(hanging: ShardProcesses,
+                                                                                  marker: bytes) -> None:
+    restarts = hanging.restarts
+    members = imagenet_like_members(3, extra=False)
+    members[0] = (members[0][0], members[0][1] + marker)  # the first sample: run by the shard's leader
+    started = time.monotonic()
+    with pytest.raises(InternalError) as caught:
+        b"".join(_remote(hanging, io.BytesIO(make_tar(members)), shard="b/hangs.tar", window=1))
+    assert "shard 'b/hangs.tar'" in caught.value.message and "stopped answering" in caught.value.message
+    assert time.monotonic() - started < 2 * STALL + 3.0
+    deadline = time.monotonic() + 60
+    while hanging.restarts == restarts or len(hanging.pids()) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    data = make_tar(imagenet_like_members(4))
+    assert b"".join(_remote(hanging, io.BytesIO(data))) == _in_process(data, threads=2)
+
+
+def _oom_score_adj(pid: int) -> int:
+    with open(f"/proc/{pid}/oom_score_adj") as f:
+        return int(f.read())
+
+
+def _wait_for_workers(processes: ShardProcesses, count: int, gone: int | None = None) -> None:
+    deadline = time.monotonic() + 60
+    while len(processes.pids()) < count or gone in processes.pids():
+        assert time.monotonic() < deadline, processes.pids()
+        time.sleep(0.1)
+
+
+def _leading(processes: ShardProcesses) -> int:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        with processes._cond:
-            jobs = sum(w.jobs for w in processes._workers if w is not None)
-        if jobs == 0:
+        leading = sum(processes.leading().values())
+        if leading == 0:
             return 0
         time.sleep(0.05)
-    return jobs
+    return leading

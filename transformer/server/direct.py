@@ -1,4 +1,4 @@
-"""Direct send: a response's frames written from the shard's own threads (``DirectSender``, frame builders).
+"""Direct send: a response's frames written from the shard's own threads (``FrameWriter``, frame builders).
 
 Through ASGI every chunk crosses to the event loop, which frames it (uvicorn joins the chunk-size
 line, the array and the CRLF into a new bytes object) and writes it holding the GIL, while the
@@ -25,11 +25,12 @@ from collections.abc import Callable
 
 from ..engine import Write
 from ..errors import Cancelled
+from .ipc import drop_sent
 from .protocols import encrypted
 
 STALL_SECONDS = 0.2  # a frame not accepted by the socket for this long, with the body still arriving
 _POLL = 0.05  # how often a blocked send checks for cancellation and stalls
-HOLD = 64 * 1024  # chunks smaller than this may wait for the next one (DirectSender.send)
+HOLD = 64 * 1024  # chunks smaller than this may wait for the next one (FrameWriter.send)
 _HOLD_COUNT = 64  # and at most this many (sendmsg takes at most IOV_MAX = 1024 buffers)
 
 
@@ -68,26 +69,38 @@ def ws_continuation_frame(size: int) -> tuple[bytes, bytes]:
     return struct.pack("!BBQ", 0x00, 127, size), b""
 
 
-class DirectSender:
-    """Writes a response's frames from the shard's driver thread (see the module docstring).
+def socket_of(transport: asyncio.Transport) -> int:
+    """A duplicate of the connection's socket descriptor, for a thread or a worker process to write frames to.
 
-    ``frame`` gives the bytes around a frame's data: HTTP chunked encoding (the default), or WebSocket
-    continuation frames. ``protocol_ends_message``: the server's protocol sends the message's last
-    frame (websockets: the frame with FIN, after a failure carrying the error text), so ``take_tail``
-    hands it the held chunks and ``close`` completes a frame cut short.
+    A duplicate: uvloop may close its own when the peer goes away while we write. Raises ``OSError`` for
+    a TLS connection (only its transport may write to the socket) or a closed one.
+    """
+    if encrypted(transport):
+        raise OSError("a TLS connection: only its transport may write to the socket")
+    raw = transport.get_extra_info("socket")
+    if raw is None or raw.fileno() < 0:
+        raise OSError("the connection has no open socket")
+    return os.dup(raw.fileno())
+
+
+class FrameWriter:
+    """Writes a response's frames to the connection's socket from the shard's own threads (module docstring).
+
+    ``fd`` is the writer's own descriptor of the socket (closed by ``close``). ``fallback`` takes bytes
+    that must reach the connection through whoever else writes it, in order: the rest of a frame when
+    the socket stalled while the body is still arriving, or the rest of a ws frame cut short by a
+    failure (the server's event loop; from a worker process, the server). ``frame`` gives the bytes
+    around a frame's data: HTTP chunked encoding (the default), or WebSocket continuation frames.
+    ``protocol_ends_message``: the server's protocol sends the message's last frame (websockets: the
+    frame with FIN, after a failure carrying the error text), so ``take_tail`` hands it the held chunks
+    and ``close`` completes a frame cut short.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, transport: asyncio.Transport,
-                 frame: Callable[[int], tuple[bytes, bytes]] = chunked_frame, protocol_ends_message: bool = False):
-        self._loop, self._transport, self._wrap = loop, transport, frame
+    def __init__(self, fd: int, fallback: Callable[[bytes], None], frame: Callable[[int], tuple[bytes, bytes]] =
+                 chunked_frame, protocol_ends_message: bool = False):
+        self._fallback, self._wrap = fallback, frame
         self._protocol_ends_message = protocol_ends_message
-        if encrypted(transport):
-            raise OSError("a TLS connection: only its transport may write to the socket")
-        raw = transport.get_extra_info("socket")
-        if raw is None or raw.fileno() < 0:
-            raise OSError("the connection has no open socket")
-        # A duplicate descriptor: uvloop may close its own when the peer goes away while we write.
-        self._sock = socket.socket(fileno=os.dup(raw.fileno()))
+        self._sock = socket.socket(fileno=fd)
         # Non-blocking, as the event loop needs it; a full socket is waited for with poll(), and only
         # then (a socket with a timeout polls before every send: a system call per frame for nothing).
         self._sock.setblocking(False)
@@ -194,9 +207,9 @@ class DirectSender:
         return True
 
     def _to_transport(self, parts: list[bytes | memoryview]) -> None:
-        """The rest of a frame goes to uvicorn's transport (written by the event loop, in order)."""
+        """The rest of a frame goes to whoever writes the connection next (``fallback``), in order."""
         if parts:
-            self._loop.call_soon_threadsafe(self._transport.write, b"".join(parts))
+            self._fallback(b"".join(parts))
             parts.clear()
 
     def close(self) -> None:
@@ -212,14 +225,3 @@ class DirectSender:
         self._unsent = []
         self._sock.close()
 
-
-def drop_sent(parts: list[bytes | memoryview], sent: int) -> None:
-    """Remove the first ``sent`` bytes from a ``sendmsg`` buffer list, in place (a partial send)."""
-    while sent:
-        first = len(parts[0])
-        if sent >= first:
-            sent -= first
-            parts.pop(0)
-        else:
-            parts[0] = memoryview(parts[0])[sent:]
-            sent = 0

@@ -36,8 +36,8 @@ from .hops import (
 )
 from .metrics import Metrics
 from .output import Final, Output
-from .processes import RemoteShard, ShardProcesses
-from .sources import Counting, Source
+from .processes import Raw, RemoteShard, ShardProcesses
+from .sources import BodySource, Counting, Source
 
 log = logging.getLogger("transformer.server")
 
@@ -117,19 +117,23 @@ class ShardJob:
     def _transformed(self, relay: bool = False) -> Iterator[bytes | memoryview]:
         """The transformed shard, opening the source again on every call (a retried direct put).
 
-        ``relay``: the transform threads write what they can to the socket themselves (``_write_now``);
-        the rest is yielded.
+        ``relay``: the output may go to the connection without this thread: the transform threads write
+        what they can themselves (``_write_now``), or the worker process leading the shard is offered the
+        connection after the first chunk (``Output.delegate``); the rest is yielded.
         """
         request, settings = self.request, self.runtime.settings
         self.report = ShardReport(request.shard, request.object_name, request.options.on_error)
         with self.source.open() as stream:
             counted: Counting | RemoteShard
             if self.runtime.processes is not None:
-                chunks = counted = self.runtime.processes.transform(
+                counted = self.runtime.processes.transform(
                     stream, request.options, shard=request.shard, object_name=request.object_name,
                     window=settings.window, limit=settings.max_shard_bytes, report=self.report,
-                    cancel=self.output.cancel, deadline=self.output.deadline)
-                chunks = iter(counted)
+                    cancel=self.output.cancel, deadline=self.output.deadline, offer=relay,
+                    body=isinstance(self.source, BodySource))
+                if relay:
+                    self.output.delegate = counted.offer
+                chunks = self._frames(counted)
             else:
                 counted = Counting(stream, request.shard, settings.max_shard_bytes)
                 assert self.runtime.pool is not None
@@ -147,7 +151,21 @@ class ShardJob:
                         self.report.bytes_out += len(chunk)
                         yield chunk
             finally:
-                self.bytes_in += counted.bytes_in if isinstance(counted, RemoteShard) else counted.count
+                if isinstance(counted, RemoteShard):
+                    self.bytes_in += counted.bytes_in
+                    self.report.bytes_out += counted.direct_bytes
+                    if counted.send_path != "loop":
+                        self.output.send_path = counted.send_path
+                else:
+                    self.bytes_in += counted.count
+
+    def _frames(self, remote: RemoteShard) -> Iterator[bytes]:
+        """A worker-led shard's chunks; the rest of a frame it began is written to the connection as it is."""
+        for frame in remote:
+            if isinstance(frame, Raw):
+                self.output.write_raw(frame.data)
+            else:
+                yield frame
 
     def _write_now(self, chunk: bytes | memoryview) -> Write:
         """A transform thread's chunk, written to the socket if it takes it without waiting."""

@@ -38,6 +38,10 @@ class Metrics:
         self._decode_paths = _DecodePaths()
         r.register(self._decode_paths)
 
+    def add_spread(self, count: Callable[[], int]) -> None:
+        """``etl_spread_samples_total``: samples a worker process transformed for a shard another one leads."""
+        self.registry.register(_Spread(count))
+
     def add_decode_paths(self, counts: Callable[[], dict[tuple[str, str], int]]) -> None:
         """Count the images decoded elsewhere (the transform worker processes) in ``etl_decode_path`` too."""
         self._decode_paths.sources.append(counts)
@@ -59,6 +63,19 @@ class Metrics:
         self.shard_seconds.observe(now - report.started)
         if report.first_byte is not None:
             self.first_byte.observe(report.first_byte - report.started)
+
+
+class _Spread:
+    """The worker processes' samples transformed for a shard another worker leads (read at scrape)."""
+
+    def __init__(self, count: Callable[[], int]):
+        self.count = count
+
+    def collect(self):
+        family = CounterMetricFamily("etl_spread_samples", "Samples a transform worker process ran for a shard "
+                                     "another worker process leads (ETL_PROCESSES: one shard on every core)")
+        family.add_metric([], self.count())
+        yield family
 
 
 class _DecodePaths:

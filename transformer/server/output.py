@@ -13,10 +13,11 @@ moment one thread writes a response's bytes:
   so while the body is still arriving, output that finds no room is parked in an unlinked temp file
   (``_Spill``) and read back by the event loop in order.
 * **Direct send.** Once the first chunk went out through the server and its write buffer is empty,
-  the shard's own threads write the rest of the body (``direct.DirectSender``, see there); the end
+  the shard's own threads write the rest of the body (``direct.FrameWriter``, see there); the end
   goes back to the event loop. The transform thread that completes the oldest unwritten sample
   writes it through ``try_write``, never waiting; when the socket is full the role passes to the
-  driver thread, which waits in ``write``.
+  driver thread, which waits in ``write``. With worker processes the connection goes to the worker
+  leading the shard instead (``delegate``), which writes from there and sends back only the end.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..engine import Write
 from ..errors import Cancelled, TransformerError
-from .direct import DirectSender, ws_continuation_frame
+from .direct import FrameWriter, socket_of, ws_continuation_frame
 
 log = logging.getLogger("transformer.server")
 
@@ -97,7 +99,10 @@ class Output:
         self._awaiting_offer = may_go_direct  # the driver waits for go_direct after its first chunk
         self._handoff = threading.Event()
         self._offered: tuple[asyncio.Transport, bool] | None = None  # (transport, ws frames) from go_direct
-        self._sender: DirectSender | None = None  # used by the driver thread only
+        self._sender: FrameWriter | None = None  # used by the driver thread only
+        # Set by the job when a worker process leads the shard: it is handed the offered connection (or
+        # told there is none) instead of this output writing to it; True when it took it.
+        self.delegate: Callable[[asyncio.Transport | None, bool], bool] | None = None
         self.bytes_written = 0
         self.send_path = "loop"  # the etl_send_path metric: loop, direct, direct_then_loop
 
@@ -145,6 +150,12 @@ class Output:
                 self._queue(tail)
         self._put(END)
 
+    def write_raw(self, data: bytes) -> None:
+        """Bytes for the connection as they are, before any later chunk: the rest of a frame the worker
+        leading the shard began before it handed the connection back (``delegate``)."""
+        if self._offered is not None and data:
+            self._loop.call_soon_threadsafe(self._offered[0].write, data)
+
     def fail(self, error: BaseException) -> None:
         # Direct send ends first: what it hands to the transport (the rest of a ws frame cut short)
         # must go out before the error's own bytes.
@@ -173,18 +184,28 @@ class Output:
         """After the first chunk: wait for the event loop's ``go_direct``, then write from here if offered."""
         while not self._handoff.wait(0.1):
             self.check()
+        if self.delegate is not None:
+            transport, ws = self._offered if self._offered is not None else (None, False)
+            if self.delegate(transport, ws):
+                self.send_path = "direct"
+            return
         if self._offered is None:
             return
         transport, ws = self._offered
         try:
+            fallback = self._to_transport(transport)
             if ws:
-                self._sender = DirectSender(self._loop, transport, frame=ws_continuation_frame,
-                                            protocol_ends_message=True)
+                self._sender = FrameWriter(socket_of(transport), fallback, frame=ws_continuation_frame,
+                                           protocol_ends_message=True)
             else:
-                self._sender = DirectSender(self._loop, transport)
+                self._sender = FrameWriter(socket_of(transport), fallback)
             self.send_path = "direct"
         except OSError as exc:  # the connection closed in the meantime: the event loop's path reports it
             log.info("shard %s: direct send unavailable (%s)", self.shard, exc)
+
+    def _to_transport(self, transport: asyncio.Transport) -> Callable[[bytes], None]:
+        """Bytes the sender hands back (a frame's rest), written by the event loop in order."""
+        return lambda data: self._loop.call_soon_threadsafe(transport.write, data)
 
     def _leave_direct(self) -> None:
         # The caller stopped reading while it still sends (half-duplex): the frame's rest went to the

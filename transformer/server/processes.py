@@ -1,20 +1,27 @@
-"""Transform worker processes, the server's side: each shard runs in one, the server only relays its bytes.
+"""Transform worker processes, the server's side: start and watch them, pair them, and hand each shard to one.
 
 Why: a transform thread holds the GIL about a quarter of its time (the per-sample Python around the
 decode, the v2 pipeline's bookkeeping, tar headers), so the threads of one process stop scaling near
 four cores whatever the node has (docs/performance.md, "Cores"). Here every worker process has its
-own GIL and a few transform threads, and the server process, which every shard passes through,
-moves input and output chunks: a few system calls per megabyte.
+own GIL and a few transform threads, and the server process, which every request reaches, only
+starts each shard and ends its response.
+
+A shard goes to the worker leading the fewest (``_pick``), as a ``WorkerJob`` and two file
+descriptors over the worker's SEQPACKET control socket: its input (the object's file itself for an
+FQN, else a pipe a feeder thread fills) and a stream socket to this process. That worker leads it:
+it reads it, spreads its samples over every worker (``spread.py``), and sends the output. The first
+chunk comes here and starts the response; then the worker is handed the caller's connection and
+writes the rest itself (``RemoteShard.offer``); the end (the last chunk, the ws frame with FIN, an
+abort) comes back here. The worker runs the same ``transform_shard`` the server runs in-process, so
+the bytes are the same.
 
 The workers are forked by multiprocessing's fork server, which imports torch and the transforms
 once: they share those pages, and a worker can be replaced while the server's threads run (a
-threaded process is never forked). A shard is handed to the least busy worker as two file
-descriptors over the worker's SEQPACKET control socket: its input (the object's file itself for an
-FQN, else a pipe a feeder thread fills) and a stream socket on which the worker sends the output as
-frames, then the shard's report (or its error). The worker runs the same ``transform_shard`` the
-server runs in-process, so the bytes are the same. A worker that dies fails the shards it held,
-each with an error that names it, and the supervisor starts a new one. The worker's side is
-``worker.py``.
+threaded process is never forked). Every worker writes a heartbeat on the shared ``Board``; the
+supervisor kills one whose heartbeat is older than ``stall`` seconds (a stopped process, a hang in
+native code) and starts another. A worker that dies fails the shards it led, each with an error that
+names it; the samples it held for other shards run again in their leaders. A worker whose heartbeat
+is late gets no new shard meanwhile. The worker's side is ``worker.py``.
 """
 
 from __future__ import annotations
@@ -34,28 +41,48 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from ..engine import ShardReport
 from ..errors import Cancelled, InternalError, TransformerError
 from ..forkserver import start_fork_server
 from ..options import TransformOptions
-from .worker import DATA, FEED, HEADER, READY, WorkerConfig, WorkerJob, worker_main
+from .board import Board
+from .direct import socket_of
+from .ipc import rebuilt, receive_exact
+from .spread import SUSPECT_SECONDS
+from .worker import (
+    DATA,
+    FEED,
+    HEADER,
+    NO_OFFER,
+    OFFER_HTTP,
+    OFFER_WS,
+    RAW,
+    READY,
+    WorkerConfig,
+    WorkerJob,
+    worker_main,
+)
 
 log = logging.getLogger("transformer.server")
 
 _GRACE_SECONDS = 2.0  # past the deadline, the worker's own timeout error (with its counts) is awaited this long
 _READY_SECONDS = 300.0  # how long a worker may take to send READY
+_WATCH_SECONDS = 0.5  # how often the supervisor reads the heartbeats
 
 
 class ShardProcesses:
-    """The worker processes of one server, their supervisor, and the relay of a shard's bytes."""
+    """The worker processes of one server, their supervisor, and the start and end of each shard."""
 
-    def __init__(self, processes: int, config: WorkerConfig, on_restart: Callable[[], None] | None = None):
-        self.config, self.on_restart = config, on_restart
+    def __init__(self, processes: int, config: WorkerConfig, on_restart: Callable[[], None] | None = None,
+                 target: Callable[[socket.socket, WorkerConfig], None] = worker_main):
+        self.config, self.on_restart, self._target = config, on_restart, target
+        self.stall = config.stall
         self._context = multiprocessing.get_context("forkserver")
         start_fork_server()  # a no-op when ``serve`` started it already
+        self.board = Board(processes)
         self._cond = threading.Condition()
         self._workers: list[_Worker | None] = [None] * processes
         self._closed = False
@@ -63,6 +90,8 @@ class ShardProcesses:
         self.restarts = 0
         self._start_error: Exception | None = None  # the last failure to start a worker
         self._decode_paths: dict[int, dict[tuple[str, str], int]] = {}  # per worker pid, its last snapshot
+        self._spread: dict[int, int] = {}  # per worker pid: samples it transformed for another worker's shard
+        self._spread_gone = 0  # the same, of workers that ended
         self._supervisor = threading.Thread(target=self._supervise, name="transform worker supervisor", daemon=True)
         self._supervisor.start()
 
@@ -76,7 +105,7 @@ class ShardProcesses:
                 missing = [i for i, w in enumerate(self._workers) if w is None]
             for index in missing:
                 try:
-                    worker = _Worker.start(self._context, index, self.config)
+                    worker = self._start(index)
                 except Exception as exc:  # the fork server itself failed: try again shortly, keep serving what runs
                     log.exception("could not start transform worker %d", index)
                     with self._cond:
@@ -89,13 +118,91 @@ class ShardProcesses:
                         worker.stop()
                         return
                     self._workers[index] = worker
+                    others = [w for w in self._workers if w is not None and w is not worker]
                     self._cond.notify_all()
+                for other in others:
+                    self._pair(worker, other)
             with self._cond:
                 running = [w for w in self._workers if w is not None]
-            ready = multiprocessing.connection.wait([w.process.sentinel for w in running] + [self._wake_r])
+            waitables = [w.process.sentinel for w in running] + [w.control for w in running if not w.hung_up]
+            waitables.append(self._wake_r)
+            ready = multiprocessing.connection.wait(waitables, _WATCH_SECONDS)
             for worker in running:
+                if worker.control in ready:
+                    self._message(worker)
                 if worker.process.sentinel in ready:
                     self._gone(worker)
+            self._check_heartbeats(running)
+
+    def _start(self, index: int) -> _Worker:
+        self.board.reset(index)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        config = dataclasses.replace(self.config, index=index, processes=self.board.workers)
+        process = self._context.Process(target=self._target, args=(theirs, config), name=f"transform worker {index}",
+                                        daemon=True)
+        try:
+            process.start()  # waits for the fork server, which imports torch when it first starts
+        finally:
+            theirs.close()
+        ours.settimeout(_READY_SECONDS)
+        arena = -1
+        try:
+            socket.send_fds(ours, [pickle.dumps(("board",))], [self.board.fd])
+            ready, fds, _, _ = socket.recv_fds(ours, 16, 1)
+            arena = fds[0] if fds else -1
+        except OSError:
+            ready = b""
+        if ready != READY or arena < 0:
+            ours.close()
+            if arena >= 0:
+                os.close(arena)
+            process.kill()
+            process.join(5)
+            raise RuntimeError(f"transform worker {index} did not start ({_exit_text(process.exitcode)})")
+        ours.settimeout(None)
+        return _Worker(index, process, ours, arena)
+
+    def _pair(self, a: _Worker, b: _Worker) -> None:
+        """A link between two workers (spread.py): each gets its end and the other's arena."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            for worker, end, other in ((a, ours, b), (b, theirs, a)):
+                with contextlib.suppress(OSError):  # a worker that died meanwhile: the other hears of it
+                    worker.send(("peer", other.index, other.process.pid), [end.fileno(), other.arena])
+        finally:
+            ours.close()
+            theirs.close()
+
+    def _message(self, worker: _Worker) -> None:
+        try:
+            message = worker.control.recv(1 << 20)
+        except OSError:
+            message = b""
+        if not message:
+            worker.hung_up = True  # it is ending: its sentinel says how
+        else:
+            kind, *rest = pickle.loads(message)
+            if kind == "stats" and worker.process.pid is not None:
+                with self._cond:
+                    self._decode_paths[worker.process.pid] = rest[0]
+                    self._spread[worker.process.pid] = rest[1]
+
+    def _check_heartbeats(self, running: list[_Worker]) -> None:
+        now = time.monotonic()
+        for worker in running:
+            if worker.killed is not None or worker.dead.is_set():
+                continue
+            age = self.board.age(worker.index, now)
+            if age > self.stall:
+                worker.killed = (f"stopped answering for {age:.0f} s (over ETL_WORKER_TIMEOUT, {self.stall:.0f} s: "
+                                 "stopped, or stuck in a sample) and was killed")
+                log.error("transform worker process %d (pid %d) %s with %d shards in flight", worker.index,
+                          worker.process.pid, worker.killed, self._leading(worker))
+                with contextlib.suppress(OSError):
+                    worker.process.kill()
+
+    def _leading(self, worker: _Worker) -> int:
+        return worker.sent - self.board.slots[worker.index].finished
 
     def _gone(self, worker: _Worker) -> None:
         worker.process.join()
@@ -107,10 +214,14 @@ class ShardProcesses:
                 self._workers[worker.index] = None
             if not closed:
                 self.restarts += 1
-        worker.control.close()
+            if worker.process.pid is not None:
+                self._decode_paths.pop(worker.process.pid, None)
+                self._spread_gone += self._spread.pop(worker.process.pid, 0)
+        worker.close()
         if not closed:
+            how = worker.killed or _exit_text(worker.exitcode)
             log.error("transform worker process %d (pid %d) %s with %d shards in flight; starting a new one",
-                      worker.index, worker.process.pid, _exit_text(worker.exitcode), worker.jobs)
+                      worker.index, worker.process.pid, how, max(0, self._leading(worker)))
             if self.on_restart is not None:
                 self.on_restart()
 
@@ -145,8 +256,19 @@ class ShardProcesses:
         with self._cond:
             return [w.process.pid for w in self._workers if w is not None and w.process.pid is not None]
 
+    def leading(self) -> dict[int, int]:
+        """Shards each worker (by pid) was given and has not finished: what ``_pick`` balances."""
+        with self._cond:
+            return {w.process.pid: self._leading(w) for w in self._workers
+                    if w is not None and w.process.pid is not None}
+
+    def spread(self) -> int:
+        """Samples transformed in a worker other than the one leading their shard (as last reported)."""
+        with self._cond:
+            return self._spread_gone + sum(self._spread.values())
+
     def decode_paths(self) -> dict[tuple[str, str], int]:
-        """The workers' images by decode path, summed (each worker's count as of its last finished shard)."""
+        """The workers' images by decode path, summed (each worker's latest count)."""
         total: dict[tuple[str, str], int] = {}
         with self._cond:
             snapshots = list(self._decode_paths.values())
@@ -158,34 +280,35 @@ class ShardProcesses:
     # ------------------------------------------------------------------ one shard
 
     def transform(self, stream: BinaryIO, options: TransformOptions, *, shard: str, object_name: str, window: int,
-                  limit: int, report: ShardReport, cancel: threading.Event, deadline: float) -> RemoteShard:
-        """``engine.transform_shard`` of ``stream`` in a worker process: its chunks, its report, its errors."""
+                  limit: int, report: ShardReport, cancel: threading.Event, deadline: float, offer: bool = False,
+                  body: bool = False) -> RemoteShard:
+        """``engine.transform_shard`` of ``stream`` led by a worker process: its frames, its report, its errors.
+
+        ``offer``: the caller's connection is offered after the first chunk (``RemoteShard.offer``); ``body``:
+        the input is the caller's request body.
+        """
         worker = self._pick(shard, cancel, deadline)
-        return RemoteShard(self, worker, stream, WorkerJob(shard, object_name, options, window, limit, deadline),
-                           report, cancel)
+        job = WorkerJob(shard, object_name, options, window, limit, deadline, offer=offer, body=body)
+        return RemoteShard(self, worker, stream, job, report, cancel)
 
     def _pick(self, shard: str, cancel: threading.Event, deadline: float) -> _Worker:
         with self._cond:
             while True:
                 if self._closed:
                     raise TransformerError(f"shard '{shard}': the server is shutting down")
-                running = [w for w in self._workers if w is not None and not w.dead.is_set()]
+                now = time.monotonic()
+                running = [w for w in self._workers if w is not None and not w.dead.is_set() and w.killed is None
+                           and self.board.age(w.index, now) <= SUSPECT_SECONDS]
                 if running:
-                    worker = min(running, key=lambda w: w.jobs)
-                    worker.jobs += 1
+                    worker = min(running, key=lambda w: (self._leading(w), self.board.slots[w.index].busy))
+                    worker.sent += 1
                     return worker
                 if cancel.is_set():
                     raise Cancelled(f"shard '{shard}': caller went away")
                 if time.monotonic() > deadline:
                     raise TransformerError(f"shard '{shard}': object timeout exceeded waiting for a transform "
-                                           "worker process to start")
+                                           "worker process to answer")
                 self._cond.wait(0.1)
-
-    def _finished(self, worker: _Worker, paths: dict[tuple[str, str], int] | None) -> None:
-        with self._cond:
-            worker.jobs -= 1
-            if paths is not None and worker.process.pid is not None:
-                self._decode_paths[worker.process.pid] = paths
 
 
 @dataclass(eq=False)
@@ -195,36 +318,17 @@ class _Worker:
     index: int
     process: multiprocessing.process.BaseProcess
     control: socket.socket
-    send_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    jobs: int = 0
-    dead: threading.Event = dataclasses.field(default_factory=threading.Event)
+    arena: int  # the worker's arena (its memory file): given to the workers paired with it
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    sent: int = 0  # shards given to it (the board counts those it finished)
+    dead: threading.Event = field(default_factory=threading.Event)
     exitcode: int | None = None
+    killed: str | None = None  # why the supervisor killed it
+    hung_up: bool = False  # its control socket reached its end
 
-    @classmethod
-    def start(cls, context, index: int, config: WorkerConfig) -> _Worker:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        process = context.Process(target=worker_main, args=(theirs, config), name=f"transform worker {index}",
-                                  daemon=True)
-        try:
-            process.start()  # waits for the fork server, which imports torch when it first starts
-        finally:
-            theirs.close()
-        ours.settimeout(_READY_SECONDS)
-        try:
-            ready = ours.recv(16)
-        except OSError:
-            ready = b""
-        if ready != READY:
-            ours.close()
-            process.kill()
-            process.join(5)
-            raise RuntimeError(f"transform worker {index} did not start ({_exit_text(process.exitcode)})")
-        ours.settimeout(None)
-        return cls(index, process, ours)
-
-    def send(self, job: WorkerJob, fds: list[int]) -> None:
+    def send(self, message: tuple, fds: list[int]) -> None:
         with self.send_lock:
-            socket.send_fds(self.control, [pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)], fds)
+            socket.send_fds(self.control, [pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)], fds)
 
     def stop(self) -> None:
         self.control.close()  # the worker's control loop ends at its end of the socket
@@ -232,19 +336,30 @@ class _Worker:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)
+        self.close()
+
+    def close(self) -> None:
+        self.control.close()
+        if self.arena >= 0:
+            os.close(self.arena)
+            self.arena = -1
 
 
 class RemoteShard:
-    """The output of one shard transformed in a worker: iterate for its chunks; ``bytes_in`` once done."""
+    """One shard led by a worker: iterate for its frames (``bytes`` to send, ``Raw`` to write as is).
+
+    ``bytes_in``, ``send_path`` and ``direct_bytes`` (what the worker wrote to the connection itself) are
+    set once the worker reported the end."""
 
     def __init__(self, owner: ShardProcesses, worker: _Worker, stream: BinaryIO, job: WorkerJob, report: ShardReport,
                  cancel: threading.Event):
         self.bytes_in = 0
-        self.pid = worker.process.pid  # the worker process transforming it
+        self.send_path = "loop"
+        self.direct_bytes = 0
+        self.pid = worker.process.pid  # the worker process leading it
         self._owner, self._worker, self._job, self._report, self._cancel = owner, worker, job, report, cancel
         self._feeder: _Feeder | None = None
         self._socket: socket.socket | None = None
-        self._done = False
         try:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             self._socket = ours
@@ -253,7 +368,7 @@ class RemoteShard:
                 self._feeder = _Feeder(stream, job.shard)
                 fd = self._feeder.read_end
             try:
-                worker.send(job, [theirs.fileno(), fd])
+                worker.send(("job", job), [theirs.fileno(), fd])
             except OSError as exc:  # the worker died since it was picked: its control socket is closed
                 raise InternalError(f"shard '{job.shard}': the transform worker process (pid "
                                     f"{worker.process.pid}) could not take the shard: {exc}") from None
@@ -266,10 +381,32 @@ class RemoteShard:
             self.close()
             raise
 
-    def __iter__(self) -> Iterator[memoryview]:
+    def offer(self, transport, ws: bool) -> bool:
+        """After the first chunk went out: hand the worker the caller's connection (None: keep relaying)."""
+        sock = self._socket
+        assert sock is not None
+        fd = -1
+        if transport is not None:
+            try:
+                fd = socket_of(transport)
+            except OSError:
+                fd = -1
+        try:
+            if fd >= 0:
+                socket.send_fds(sock, [OFFER_WS if ws else OFFER_HTTP], [fd])
+            else:
+                sock.send(NO_OFFER)
+        except OSError:
+            return False  # the worker is gone: its frames' end says how
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        return fd >= 0
+
+    def __iter__(self) -> Iterator[bytes | Raw]:
         return self._frames()
 
-    def _frames(self) -> Iterator[memoryview]:
+    def _frames(self) -> Iterator[bytes | Raw]:
         sock, job = self._socket, self._job
         assert sock is not None
         poller = select.poll()
@@ -286,37 +423,26 @@ class RemoteShard:
                 kind, size = HEADER.unpack(self._receive(HEADER.size))
                 payload = self._receive(size)
                 if kind == DATA:
-                    yield memoryview(payload)
+                    yield payload
                     continue
-                state, self.bytes_in, paths, failure = pickle.loads(payload)
-                self._done = True
+                if kind == RAW:
+                    yield Raw(payload)
+                    continue
+                state, self.bytes_in, self.send_path, self.direct_bytes, failure = pickle.loads(payload)
                 _apply_report(self._report, state)
-                self._owner._finished(self._worker, paths)
-                self._worker = None  # counted off
                 if failure is None:
                     return
-                raise self._input_error() or _rebuilt(failure)
+                raise self._input_error() or rebuilt(failure)
         finally:
             self.close()
 
     def _receive(self, size: int) -> bytes:
-        """Exactly ``size`` bytes; the worker's end of the connection before that means it died.
-
-        One call as a rule: MSG_WAITALL on a blocking socket returns short only at the end or on a
-        signal. recv() allocates the bytes without zero-filling them first, as a bytearray would.
-        """
+        """Exactly ``size`` bytes; the worker's end of the connection before that means it died."""
         assert self._socket is not None
-        data = self._socket.recv(size, socket.MSG_WAITALL) if size else b""
-        if len(data) == size:
-            return data
-        parts, got = [data], len(data)
-        while got < size:
-            more = self._socket.recv(size - got, socket.MSG_WAITALL)
-            if not more:
-                raise self._died()
-            parts.append(more)
-            got += len(more)
-        return b"".join(parts)
+        data = receive_exact(self._socket, size)
+        if data is None:
+            raise self._died()
+        return data
 
     def _input_error(self) -> BaseException | None:
         """The input's own failure (the body cut, the fetch refused), which is why the worker saw a short tar."""
@@ -324,9 +450,9 @@ class RemoteShard:
 
     def _died(self) -> TransformerError:
         worker, job = self._worker, self._job
-        assert worker is not None
         worker.dead.wait(2.0)  # the supervisor reaps it and knows how it ended
-        how = _exit_text(worker.exitcode) if worker.exitcode is not None else "closed its connection"
+        how = worker.killed or (_exit_text(worker.exitcode) if worker.exitcode is not None
+                                else "closed its connection")
         return InternalError(
             f"shard '{job.shard}': the transform worker process (pid {worker.process.pid}) {how} after "
             f"{self._report.samples_out} samples; the shard was not completed")
@@ -338,9 +464,13 @@ class RemoteShard:
                 self._socket.shutdown(socket.SHUT_RDWR)
             self._socket.close()
             self._socket = None
-        if self._worker is not None:
-            self._owner._finished(self._worker, None)
-            self._worker = None
+
+
+@dataclass(frozen=True, slots=True)
+class Raw:
+    """Bytes for the caller's connection as they are: the rest of a frame the worker had begun."""
+
+    data: bytes
 
 
 class _Feeder:
@@ -394,14 +524,6 @@ def _file_descriptor(stream: BinaryIO) -> int | None:
 def _apply_report(report: ShardReport, state: dict) -> None:
     for name, value in state.items():
         setattr(report, name, value)
-
-
-def _rebuilt(state: tuple) -> BaseException:
-    cls, args, attributes = state
-    exc = cls.__new__(cls)
-    exc.args = args
-    exc.__dict__.update(attributes)
-    return exc
 
 
 def _exit_text(code: int | None) -> str:

@@ -22,7 +22,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..config import Settings, shard_threads
+from ..config import Settings, process_threads
 from ..errors import RequestError, TransformerError
 from ..options import forwarded_etl_args, parse_etl_args
 from ..pool import TransformPool
@@ -64,11 +64,12 @@ async def lifespan(app: FastAPI):
     processes = pool = None
     if settings.processes:
         processes = ShardProcesses(settings.processes, WorkerConfig(
-            threads=shard_threads(settings.workers, settings.processes),
+            threads=process_threads(settings.workers, settings.processes),
             max_inflight=math.ceil(settings.max_inflight / settings.processes),
-            log_level=settings.log_level, ais_target_url=settings.ais_target_url),
+            log_level=settings.log_level, ais_target_url=settings.ais_target_url, stall=settings.worker_timeout),
             on_restart=metrics.worker_restarts.inc)
         metrics.add_decode_paths(processes.decode_paths)
+        metrics.add_spread(processes.spread)
         # Ready only once the workers run: AIS sends shards as soon as /health answers.
         await asyncio.to_thread(processes.wait_ready, settings.obj_timeout)
     else:
