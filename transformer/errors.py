@@ -102,10 +102,20 @@ class InternalError(TransformerError):
     """Something the transformer did not anticipate (a bug); its traceback is logged where it happened."""
 
 
+class FrameCut(InternalError):
+    """A ws reply's writer (a transform worker process) stopped in the middle of a frame that cannot be
+    completed: the connection cannot carry another message and is closed."""
+
+
 class Cancelled(TransformerError):
     """The caller went away; the work stops and nothing is reported to anyone."""
 
     status = 499
+
+
+class WorkerGone(Exception):
+    """Control flow in the server: a worker process's end of a shard's stream closed before the shard's end
+    (it died). Never reaches a caller: the server turns it into an ``InternalError`` naming the shard."""
 
 
 class StreamAborted(Exception):

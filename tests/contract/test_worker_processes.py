@@ -1,29 +1,33 @@
 """The pod with transform worker processes (ETL_PROCESSES, the contract suite's setting): the same seeded
 bytes as the threads, by every comm type; a worker killed mid-shard (SIGKILL, as the OOM killer does) cuts
-that shard's reply with an error naming it, never a shorter whole-looking shard; the shard beside it in
-the other worker completes; a new worker serves on."""
+that shard's reply with an error naming it, never a shorter whole-looking shard; the shard beside it, led
+by the other worker, completes; a new worker serves on; a ws connection stays usable."""
 
 from __future__ import annotations
 
 import io
+import json
+import socket
 import threading
 import time
 
 import httpx
 import psutil
+import pytest
 
 from testbed.fake_ais import AisDisk
 from testbed.service import Service
 from testbed.shardgen import imagenet_like_members, make_tar
 from transformer.config import Settings
 from transformer.engine import transform_shard
+from transformer.errors import ShardError
 from transformer.integrity import ShardCheck
 from transformer.options import parse_etl_args
 from transformer.pool import TransformPool
 from transformer.shards import read_samples
 
 from .harness import escaped_uname, fqn_query
-from .test_ws import REPLY_TIMEOUT, request, ws_session
+from .test_ws import REPLY_TIMEOUT, control, request, ws_session
 
 SEEDED = '{"preset": "imagenet-train", "seed": 21, "epoch": 1}'
 
@@ -124,3 +128,59 @@ def _wait_for(service: Service, text: str) -> str:
             assert text in log, log[-3000:]
             return log
         time.sleep(0.1)
+
+
+def test_a_worker_killed_in_the_middle_of_a_ws_frame_leaves_the_connection_usable(service: Service,
+                                                                                  disk: AisDisk) -> None:
+    """The worker leading a ws reply writes the connection itself; killed in the middle of a frame, it leaves the
+    frame cut. The server completes it (the rest of its header, then filler), ends the message with the error,
+    and the next request on the same connection gets its whole reply: AIS never dials a ws connection again."""
+    from wsproto import ConnectionType, WSConnection
+    from wsproto.events import AcceptConnection, BytesMessage, Request
+
+    killed = disk.put("train", "ws-killed.tar", make_tar(imagenet_like_members(150, extra=False)))
+    after = disk.put("train", "ws-after.tar", make_tar(imagenet_like_members(3)))
+    ws = WSConnection(ConnectionType.CLIENT)
+    with socket.create_connection(("127.0.0.1", service.port), timeout=REPLY_TIMEOUT) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+        sock.sendall(ws.send(Request(host=f"127.0.0.1:{service.port}", target="/ws")))
+        events = _ws_events(sock, ws)
+        assert isinstance(next(events), AcceptConnection)
+        sock.sendall(ws.send(BytesMessage(data=control("ws-killed.tar", fqn=killed, etl_args=SEEDED))))
+        # Nothing read: the buffers fill within a 602 KB frame, and the worker waits in the middle of it.
+        time.sleep(4)
+        for worker in _workers(service):
+            worker.kill()
+        first = _ws_message(events)
+        assert first.endswith(b'"object": "ws-killed.tar"}'), first[-300:]
+        error = json.loads(first[first.rindex(b'{"message"'):])
+        assert error["status"] == 500 and "shard 'ws-killed.tar'" in error["message"]
+        assert "killed by SIGKILL" in error["message"]
+        with pytest.raises(ShardError):  # a cut tar, never a shorter whole-looking one
+            for _ in read_samples(io.BytesIO(first), "ws-killed.tar", 1 << 30):
+                pass
+        _wait_for(service, "shard ws-killed.tar: its worker died in the middle of a ws frame")
+        sock.sendall(ws.send(BytesMessage(data=control("ws-after.tar", fqn=after, etl_args=SEEDED))))
+        second = _ws_message(events)
+    assert _marker("ws-after.tar", second)["samples_out"] == 3
+
+
+def _ws_events(sock: socket.socket, ws):
+    while True:
+        data = sock.recv(1 << 20)
+        ws.receive_data(data or None)
+        yield from ws.events()
+        if not data:
+            return
+
+
+def _ws_message(events) -> bytes:
+    from wsproto.events import BytesMessage
+
+    message = bytearray()
+    for event in events:
+        assert isinstance(event, BytesMessage), event
+        message += event.data
+        if event.message_finished:
+            return bytes(message)
+    raise AssertionError("the connection ended before the message")

@@ -97,9 +97,13 @@ class FrameWriter:
     """
 
     def __init__(self, fd: int, fallback: Callable[[bytes], None], frame: Callable[[int], tuple[bytes, bytes]] =
-                 chunked_frame, protocol_ends_message: bool = False):
+                 chunked_frame, protocol_ends_message: bool = False,
+                 on_frame: Callable[[int, bytes], None] | None = None):
         self._fallback, self._wrap = fallback, frame
         self._protocol_ends_message = protocol_ends_message
+        # Told where each frame ends (bytes of frames so far) and its header before any of its bytes go out:
+        # whoever writes the connection after a writer that died can complete a frame it cut (``FrameLog``).
+        self._on_frame, self._framed = on_frame, 0
         self._sock = socket.socket(fileno=fd)
         # Non-blocking, as the event loop needs it; a full socket is waited for with poll(), and only
         # then (a socket with a timeout polls before every send: a system call per frame for nothing).
@@ -178,6 +182,9 @@ class FrameWriter:
         if not size:
             return []
         prefix, suffix = self._wrap(size)
+        if self._on_frame is not None:
+            self._framed += len(prefix) + size + len(suffix)
+            self._on_frame(self._framed, prefix)
         return [prefix, *held, chunk, suffix] if suffix else [prefix, *held, chunk]
 
     def _write(self, chunk: bytes | memoryview, cancel: Callable[[], None], stalled: Callable[[], bool]) -> bool:
@@ -225,3 +232,79 @@ class FrameWriter:
         self._unsent = []
         self._sock.close()
 
+
+
+class FrameLog:
+    """The last frames a worker process began on a ws connection: where each ends and its header, in shared memory.
+
+    Why: a worker that dies (the OOM killer) may leave a frame cut on the connection, and a ws
+    connection must stay usable (AIS never dials it again): the server completes that frame, the
+    rest of its header as it was and its payload as ``FILLER``, before the reply's last frame carries
+    the error. A writer begins a frame only once the one before the previous is complete, so three
+    entries always hold the boundary at or before what reached the socket.
+    """
+
+    SLOTS, SLOT = 3, 32  # per entry: the frame's end (8 bytes), its header's length (1), the header (<= 14)
+    FILLER = b"\xff"  # no tar header nor end-of-archive block is made of these
+
+    def __init__(self, fd: int | None = None):
+        import mmap
+
+        size = self.SLOTS * self.SLOT
+        if fd is None:
+            fd = os.memfd_create("wds-transform-frames", os.MFD_CLOEXEC)
+            os.ftruncate(fd, size)
+        self.fd = fd
+        self._map = mmap.mmap(fd, size)
+
+    def record(self, end: int, header: bytes) -> None:
+        """A new frame (writer's side): the oldest entry makes room."""
+        self._map.move(0, self.SLOT, (self.SLOTS - 1) * self.SLOT)
+        entry = struct.pack("!QB", end, len(header)) + header
+        at = (self.SLOTS - 1) * self.SLOT
+        self._map[at:at + len(entry)] = entry
+
+    def rest(self, written: int) -> bytes | None:
+        """What completes the frame cut after ``written`` bytes of frames (server's side, the writer gone);
+        None when the log cannot tell (then only closing the connection is safe)."""
+        entries = []
+        for index in range(self.SLOTS):
+            end, length = struct.unpack_from("!QB", self._map, index * self.SLOT)
+            header = self._map[index * self.SLOT + 9:index * self.SLOT + 9 + length]
+            entries.append((end, header))
+        if entries[0][0] and written < entries[0][0]:
+            return None  # before the oldest boundary the log keeps: never, as the writer works
+        start = entries[0][0]
+        for end, header in entries[1:] if entries[0][0] else entries:
+            if written < end and written >= start:
+                into = written - start
+                if into == 0:
+                    return b""  # at a frame's start: nothing of it went out
+                head = header[into:] if into < len(header) else b""
+                return head + self.FILLER * (end - max(written, start + len(header)))
+            start = end
+        return b""
+
+    def close(self) -> None:
+        self._map.close()
+        os.close(self.fd)
+
+
+def bytes_written(sock: socket.socket) -> int | None:
+    """Bytes the application has handed to a TCP socket so far: acknowledged by the peer plus still queued.
+
+    ``TCP_INFO``'s ``tcpi_bytes_acked`` (Linux 4.1+) and ``SIOCOUTQ``; None where either is missing.
+    """
+    import array
+    import fcntl
+    import termios
+
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+        if len(info) < 128:
+            return None
+        queued = array.array("i", [0])
+        fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, queued)
+    except OSError:
+        return None
+    return struct.unpack_from("=Q", info, 120)[0] + queued[0]

@@ -45,11 +45,11 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from ..engine import ShardReport
-from ..errors import Cancelled, InternalError, TransformerError
+from ..errors import Cancelled, FrameCut, InternalError, TransformerError, WorkerGone
 from ..forkserver import start_fork_server
 from ..options import TransformOptions
 from .board import Board
-from .direct import socket_of
+from .direct import FrameLog, bytes_written, socket_of
 from .ipc import rebuilt, receive_exact
 from .spread import SUSPECT_SECONDS
 from .worker import (
@@ -360,6 +360,9 @@ class RemoteShard:
         self._owner, self._worker, self._job, self._report, self._cancel = owner, worker, job, report, cancel
         self._feeder: _Feeder | None = None
         self._socket: socket.socket | None = None
+        self._frame_log: FrameLog | None = None  # a ws reply's frames, as the worker began them
+        self._connection: socket.socket | None = None  # that reply's connection, to count what reached it
+        self._written: int | None = None  # bytes written to it before the worker took it
         try:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             self._socket = ours
@@ -382,7 +385,11 @@ class RemoteShard:
             raise
 
     def offer(self, transport, ws: bool) -> bool:
-        """After the first chunk went out: hand the worker the caller's connection (None: keep relaying)."""
+        """After the first chunk went out: hand the worker the caller's connection (None: keep relaying).
+
+        A ws connection comes with a ``FrameLog``: should the worker die in the middle of a frame, the
+        frame is completed here (``_cut_frame``) and the connection stays usable.
+        """
         sock = self._socket
         assert sock is not None
         fd = -1
@@ -392,16 +399,31 @@ class RemoteShard:
             except OSError:
                 fd = -1
         try:
-            if fd >= 0:
-                socket.send_fds(sock, [OFFER_WS if ws else OFFER_HTTP], [fd])
-            else:
+            if fd < 0:
                 sock.send(NO_OFFER)
+            elif ws:
+                self._frame_log = FrameLog()
+                self._connection = socket.socket(fileno=os.dup(fd))
+                self._written = bytes_written(self._connection)
+                socket.send_fds(sock, [OFFER_WS], [fd, self._frame_log.fd])
+            else:
+                socket.send_fds(sock, [OFFER_HTTP], [fd])
         except OSError:
             return False  # the worker is gone: its frames' end says how
         finally:
             if fd >= 0:
                 os.close(fd)
         return fd >= 0
+
+    def _cut_frame(self) -> bytes | None:
+        """After the worker died: what completes a ws frame it left cut (b"": none), or None when that cannot be
+        known (the connection must then be closed)."""
+        if self._frame_log is None or self._connection is None:
+            return b""
+        now = bytes_written(self._connection)
+        if now is None or self._written is None:
+            return None
+        return self._frame_log.rest(now - self._written)
 
     def __iter__(self) -> Iterator[bytes | Raw]:
         return self._frames()
@@ -418,10 +440,20 @@ class RemoteShard:
                     if self._cancel.is_set():
                         raise Cancelled(f"shard '{job.shard}': caller went away")
                     if time.monotonic() > job.deadline + _GRACE_SECONDS:  # the worker is stuck
-                        raise TransformerError(f"shard '{job.shard}': object timeout exceeded after "
-                                               f"{self._report.samples_in} samples")
-                kind, size = HEADER.unpack(self._receive(HEADER.size))
-                payload = self._receive(size)
+                        message = (f"shard '{job.shard}': object timeout exceeded after "
+                                   f"{self._report.samples_in} samples")
+                        # A ws frame it may be writing cannot be completed while it still could write: close.
+                        raise FrameCut(message) if self._frame_log is not None else TransformerError(message)
+                try:
+                    kind, size = HEADER.unpack(self._receive(HEADER.size))
+                    payload = self._receive(size)
+                except WorkerGone:
+                    cut = self._cut_frame()
+                    if cut:
+                        log.warning("shard %s: its worker died in the middle of a ws frame; %d bytes complete the "
+                                    "frame before the reply's error", job.shard, len(cut))
+                        yield Raw(cut)  # the frame the worker left cut, completed: the ws connection stays usable
+                    raise self._died(frame_cut=cut is None) from None
                 if kind == DATA:
                     yield payload
                     continue
@@ -441,21 +473,21 @@ class RemoteShard:
         assert self._socket is not None
         data = receive_exact(self._socket, size)
         if data is None:
-            raise self._died()
+            raise WorkerGone()
         return data
 
     def _input_error(self) -> BaseException | None:
         """The input's own failure (the body cut, the fetch refused), which is why the worker saw a short tar."""
         return self._feeder.error if self._feeder is not None else None
 
-    def _died(self) -> TransformerError:
+    def _died(self, frame_cut: bool = False) -> TransformerError:
         worker, job = self._worker, self._job
         worker.dead.wait(2.0)  # the supervisor reaps it and knows how it ended
         how = worker.killed or (_exit_text(worker.exitcode) if worker.exitcode is not None
                                 else "closed its connection")
-        return InternalError(
-            f"shard '{job.shard}': the transform worker process (pid {worker.process.pid}) {how} after "
-            f"{self._report.samples_out} samples; the shard was not completed")
+        message = (f"shard '{job.shard}': the transform worker process (pid {worker.process.pid}) {how} after "
+                   f"{self._report.samples_out} samples; the shard was not completed")
+        return FrameCut(message) if frame_cut else InternalError(message)
 
     def close(self) -> None:
         """End the shard: a worker still transforming it sees its connection shut and stops."""
@@ -464,6 +496,12 @@ class RemoteShard:
                 self._socket.shutdown(socket.SHUT_RDWR)
             self._socket.close()
             self._socket = None
+        if self._frame_log is not None:
+            self._frame_log.close()
+            self._frame_log = None
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from fastapi import WebSocket
 from starlette.websockets import WebSocketDisconnect
 from uvicorn.protocols.utils import ClientDisconnected
 
-from ..errors import Cancelled, RequestError, TransformerError
+from ..errors import Cancelled, FrameCut, RequestError, TransformerError
 from ..options import forwarded_etl_args, parse_etl_args
 from ..redact import redact
 from .hops import parse_node_url
@@ -90,6 +90,9 @@ async def _ws_serve_one(ws: WebSocket, rt: Runtime, control: dict[str, Any],
     path = str(control.get("path") or "")
     text = failure.message if isinstance(failure, TransformerError) else str(failure)
     log.warning("ws request %s failed: %s", path, text)
+    if isinstance(failure, FrameCut):
+        await ws.close(code=1011, reason="a reply was cut in the middle of a frame")
+        return False
     body = ws_error_body(path, failure)
     if isinstance(reply, WsReply) and reply.frames_sent > 0 and fragmenter is not None:
         await reply.end_with_error(fragmenter, body)  # the message already began: its last frame

@@ -42,7 +42,7 @@ from ..redact import install_logging
 from ..samples import decode_paths
 from .arena import Arena
 from .board import Board
-from .direct import FrameWriter, chunked_frame, ws_continuation_frame
+from .direct import FrameLog, FrameWriter, ws_continuation_frame
 from .ipc import portable, send_parts
 from .logs import LOG_FORMAT
 from .sources import Counting
@@ -252,7 +252,8 @@ class Reply:
         self.out, self.job, self.stream = out, job, stream
         self.cancel = threading.Event()
         self._answer = threading.Event()
-        self._offer: tuple[int, bytes] | None = None
+        self._offer: tuple[list[int], bytes] | None = None  # the connection (and a ws reply's FrameLog)
+        self._frames: FrameLog | None = None
         self._awaiting = job.offer  # after the first chunk, the driver waits for the server's answer
         self._writer: FrameWriter | None = None
         self._send_lock = threading.Lock()
@@ -272,7 +273,7 @@ class Reply:
         """The server's messages: its answer after the first chunk; the end of the stream is a cancel."""
         while True:
             try:
-                message, fds, _, _ = socket.recv_fds(self.out, 1, 1)
+                message, fds, _, _ = socket.recv_fds(self.out, 1, 2)
             except OSError:
                 message, fds = b"", []
             if not message:
@@ -280,7 +281,7 @@ class Reply:
                 self._answer.set()
                 return
             if message in (OFFER_HTTP, OFFER_WS) and fds:
-                self._offer = (fds[0], message)
+                self._offer = (fds, message)
             else:
                 for fd in fds:
                     os.close(fd)
@@ -340,10 +341,15 @@ class Reply:
         offer, self._offer = self._offer, None
         if offer is None:
             return
-        fd, kind = offer
-        ws = kind == OFFER_WS
-        self._writer = FrameWriter(fd, self._back_to_server, frame=ws_continuation_frame if ws else chunked_frame,
-                                   protocol_ends_message=ws)
+        fds, kind = offer
+        if kind == OFFER_WS:
+            if len(fds) > 1:
+                self._frames = FrameLog(fds[1])
+            self._writer = FrameWriter(fds[0], self._back_to_server, frame=ws_continuation_frame,
+                                       protocol_ends_message=True,
+                                       on_frame=self._frames.record if self._frames is not None else None)
+        else:
+            self._writer = FrameWriter(fds[0], self._back_to_server)
         self.send_path = "direct"
 
     def _back_to_server(self, data: bytes) -> None:
@@ -404,8 +410,12 @@ class Reply:
     def close(self) -> None:
         self._close_writer()
         if self._offer is not None:  # an answer that came after the shard ended
-            os.close(self._offer[0])
+            for fd in self._offer[0]:
+                os.close(fd)
             self._offer = None
+        if self._frames is not None:
+            self._frames.close()
+            self._frames = None
         with contextlib.suppress(OSError):
             self.out.shutdown(socket.SHUT_RD)  # wakes the watcher
         self.out.close()
