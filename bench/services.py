@@ -190,6 +190,83 @@ def hpush(url: str, object_path: str, shard: Path, mode: str, etl_args: str, tim
                   "" if ok else f"curl rc {done.returncode}, HTTP {status}: {done.stderr.strip()[:300]}")
 
 
+def hpull(url: str, shard: Path, etl_args: str, timeout: float) -> Result:
+    """One hpull GET as an AIS target sends it without ``etl_fqn``: ``GET /<PathEscape(uname)>``; the pod fetches
+    the object from its ``AIS_TARGET_URL`` (a ``FileTarget`` here)."""
+    query = {"etl_args": etl_args} if etl_args else {}
+    uname = go_path_escape(f"ais/@#/{shard.parent.parent.name}/{shard.name}")
+    command = ["curl", "-sS", "-o", "/dev/null", "--max-time", f"{timeout:.0f}",
+               "-w", "%{http_code} %{time_starttransfer} %{time_total} %{size_download}",
+               f"{url}/{uname}" + (f"?{urlencode(query)}" if query else "")]
+    start = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout + 10)
+    seconds = time.monotonic() - start
+    try:
+        status_text, ttfb, total, down = done.stdout.split()
+        status = int(status_text)
+    except ValueError:
+        return Result(False, 0, 0.0, seconds, 0, 0, (done.stderr or done.stdout).strip()[:300])
+    ok = done.returncode == 0 and status == 200
+    return Result(ok, status, float(ttfb), float(total), shard.stat().st_size, int(float(down)),
+                  "" if ok else f"curl rc {done.returncode}, HTTP {status}: {done.stderr.strip()[:300]}")
+
+
+class FileTarget:
+    """What the pod fetches from in hpull (and asks an object's size, HEAD, for ``etl_fqn``): the AIS target's
+    ETL object endpoint, serving a folder's files by the last name in the escaped uname.
+
+    ``http.server`` with ``socket.sendfile``: the file goes from the page cache to the socket without this
+    process copying it, so the target costs the measured cores little, as a Go target would.
+    """
+
+    def __init__(self, folder: Path):
+        import http.server
+        from urllib.parse import unquote
+
+        files = folder
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _file(self) -> Path | None:
+                name = unquote(self.path.split("?", 1)[0]).rsplit("/", 1)[-1]
+                path = files / name
+                return path if name and path.is_file() else None
+
+            def do_HEAD(self) -> None:  # noqa: N802 - http.server's name
+                path = self._file()
+                self.send_response(200 if path else 404)
+                self.send_header("Content-Length", str(path.stat().st_size if path else 0))
+                self.end_headers()
+
+            def do_GET(self) -> None:  # noqa: N802
+                path = self._file()
+                if path is None:
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("Content-Length", str(path.stat().st_size))
+                self.end_headers()
+                self.wfile.flush()
+                with contextlib.suppress(OSError), open(path, "rb") as f:
+                    self.connection.sendfile(f)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="file target", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
 def ws_request(url: str, shard: Path, etl_args: str, timeout: float) -> Result:
     """One ws:// request with ``fqn`` (the target's default): Binary control message, one Binary reply.
 

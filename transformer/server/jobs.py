@@ -37,7 +37,7 @@ from .hops import (
 from .metrics import Metrics
 from .output import Final, Output
 from .processes import Raw, RemoteShard, ShardProcesses
-from .sources import BodySource, Counting, Source
+from .sources import BodySource, Counting, FileSource, HttpSource, ObjectFileSource, Source
 
 log = logging.getLogger("transformer.server")
 
@@ -123,14 +123,30 @@ class ShardJob:
         """
         request, settings = self.request, self.runtime.settings
         self.report = ShardReport(request.shard, request.object_name, request.options.on_error)
-        with self.source.open() as stream:
+        source = self.source
+        piped = self.runtime.processes is not None and isinstance(source, BodySource)  # the body in its pipe
+        fetched = self.runtime.processes is not None and type(source) is HttpSource  # the worker fetches it
+        checked = self.runtime.processes is not None and isinstance(source, ObjectFileSource)  # the worker checks
+        if piped or fetched:
+            opened: contextlib.AbstractContextManager = contextlib.nullcontext(None)
+        elif checked:
+            opened = FileSource.open(source)  # the file as it is: its size check is the worker's
+        else:
+            opened = source.open()
+        with opened as stream:
             counted: Counting | RemoteShard
             if self.runtime.processes is not None:
                 counted = self.runtime.processes.transform(
                     stream, request.options, shard=request.shard, object_name=request.object_name,
                     window=settings.window, limit=settings.max_shard_bytes, report=self.report,
                     cancel=self.output.cancel, deadline=self.output.deadline, offer=relay,
-                    body=isinstance(self.source, BodySource))
+                    body=isinstance(source, BodySource),
+                    input_fd=source.take_read_end() if piped else None,  # type: ignore[union-attr]
+                    input_error=(lambda: source.error) if piped else None,  # type: ignore[union-attr]
+                    fetch=source.url if fetched else "",  # type: ignore[union-attr]
+                    origin=fetched and source.client is self.runtime.origin_client,  # type: ignore[union-attr]
+                    check=source.object_url if checked else "",  # type: ignore[union-attr]
+                    path=source.path if checked else "")  # type: ignore[union-attr]
                 if relay:
                     self.output.delegate = counted.offer
                 chunks = self._frames(counted)

@@ -279,17 +279,28 @@ class ShardProcesses:
 
     # ------------------------------------------------------------------ one shard
 
-    def transform(self, stream: BinaryIO, options: TransformOptions, *, shard: str, object_name: str, window: int,
-                  limit: int, report: ShardReport, cancel: threading.Event, deadline: float, offer: bool = False,
-                  body: bool = False) -> RemoteShard:
+    def transform(self, stream: BinaryIO | None, options: TransformOptions, *, shard: str, object_name: str,
+                  window: int, limit: int, report: ShardReport, cancel: threading.Event, deadline: float,
+                  offer: bool = False, body: bool = False, input_fd: int | None = None,
+                  input_error: Callable[[], BaseException | None] | None = None, fetch: str = "",
+                  origin: bool = False, check: str = "", path: str = "") -> RemoteShard:
         """``engine.transform_shard`` of ``stream`` led by a worker process: its frames, its report, its errors.
 
         ``offer``: the caller's connection is offered after the first chunk (``RemoteShard.offer``); ``body``:
-        the input is the caller's request body.
+        the input is the caller's request body. ``input_fd`` (owned from here on) replaces ``stream``: a pipe
+        someone else fills, whose failure ``input_error`` tells. ``fetch``: no stream, the worker fetches the
+        input from this URL itself (``origin``: a /download origin's). ``check``: ``stream`` is an FQN's file
+        (``path``), whose size the worker checks against the object's at this URL first.
         """
-        worker = self._pick(shard, cancel, deadline)
-        job = WorkerJob(shard, object_name, options, window, limit, deadline, offer=offer, body=body)
-        return RemoteShard(self, worker, stream, job, report, cancel)
+        try:
+            worker = self._pick(shard, cancel, deadline)
+        except BaseException:
+            if input_fd is not None:
+                os.close(input_fd)
+            raise
+        job = WorkerJob(shard, object_name, options, window, limit, deadline, offer=offer, body=body, fetch=fetch,
+                        origin=origin, check=check, path=path)
+        return RemoteShard(self, worker, stream, job, report, cancel, input_fd, input_error)
 
     def _pick(self, shard: str, cancel: threading.Event, deadline: float) -> _Worker:
         with self._cond:
@@ -351,14 +362,16 @@ class RemoteShard:
     ``bytes_in``, ``send_path`` and ``direct_bytes`` (what the worker wrote to the connection itself) are
     set once the worker reported the end."""
 
-    def __init__(self, owner: ShardProcesses, worker: _Worker, stream: BinaryIO, job: WorkerJob, report: ShardReport,
-                 cancel: threading.Event):
+    def __init__(self, owner: ShardProcesses, worker: _Worker, stream: BinaryIO | None, job: WorkerJob,
+                 report: ShardReport, cancel: threading.Event, input_fd: int | None = None,
+                 input_error: Callable[[], BaseException | None] | None = None):
         self.bytes_in = 0
         self.send_path = "loop"
         self.direct_bytes = 0
         self.pid = worker.process.pid  # the worker process leading it
         self._owner, self._worker, self._job, self._report, self._cancel = owner, worker, job, report, cancel
         self._feeder: _Feeder | None = None
+        self._input_failure = input_error
         self._socket: socket.socket | None = None
         self._frame_log: FrameLog | None = None  # a ws reply's frames, as the worker began them
         self._connection: socket.socket | None = None  # that reply's connection, to count what reached it
@@ -366,21 +379,27 @@ class RemoteShard:
         try:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             self._socket = ours
-            fd = _file_descriptor(stream)
-            if fd is None:
-                self._feeder = _Feeder(stream, job.shard)
-                fd = self._feeder.read_end
+            fd, input_fd = input_fd, None
+            if fd is None and not job.fetch:
+                assert stream is not None
+                fd = _file_descriptor(stream)
+                if fd is None:
+                    self._feeder = _Feeder(stream, job.shard)
+                    fd = self._feeder.read_end
             try:
-                worker.send(("job", job), [theirs.fileno(), fd])
+                worker.send(("job", job), [theirs.fileno()] + ([fd] if fd is not None else []))
             except OSError as exc:  # the worker died since it was picked: its control socket is closed
                 raise InternalError(f"shard '{job.shard}': the transform worker process (pid "
                                     f"{worker.process.pid}) could not take the shard: {exc}") from None
             finally:
                 theirs.close()
-                os.close(fd)  # the worker holds its own copies now
+                if fd is not None:
+                    os.close(fd)  # the worker holds its own copies now
             if self._feeder is not None:
                 self._feeder.start()
         except BaseException:
+            if input_fd is not None:
+                os.close(input_fd)
             self.close()
             raise
 
@@ -478,6 +497,8 @@ class RemoteShard:
 
     def _input_error(self) -> BaseException | None:
         """The input's own failure (the body cut, the fetch refused), which is why the worker saw a short tar."""
+        if self._input_failure is not None:
+            return self._input_failure()
         return self._feeder.error if self._feeder is not None else None
 
     def _died(self, frame_cut: bool = False) -> TransformerError:

@@ -1,7 +1,9 @@
 """uvicorn's protocols, subclassed only to expose what a shard response needs (direct.py, wsreply.py).
 
 * ``DirectSendProtocol`` (httptools): each request's ASGI scope also carries the connection's
-  transport, so the shard's driver thread may write the body's frames itself (direct send).
+  transport, so the shard's driver thread may write the body's frames itself (direct send), and the
+  protocol, which can hand a request body to a sink as it is parsed (``sink_body``): into the pipe a
+  worker process reads, with no ASGI ``receive`` round trip and no copy per chunk in between.
 * ``FragmentingWebSocketProtocol`` (websockets, sans-I/O): the ASGI scope carries the protocol, so a
   ws reply can leave as a fragmented message (``wsreply.send_ws_frame``), and the protocol holds the
   pongs it owes while the shard's threads write frames, so none lands inside one.
@@ -21,7 +23,9 @@ runs the service on its floor.
 from __future__ import annotations
 
 import asyncio
+from typing import Protocol
 
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.http11 import Request
@@ -30,12 +34,62 @@ DIRECT_EXTENSION = "transformer.direct_send"
 WS_EXTENSION = "transformer.ws_fragments"
 
 
+class BodySink(Protocol):
+    """Where ``DirectSendProtocol.sink_body`` sends a request's body (event loop only)."""
+
+    def feed(self, data: bytes, flow: FlowControl) -> None: ...  # may pause reading until it has room
+
+    def finish(self) -> None: ...  # the body's end
+
+    def fail(self) -> None: ...  # the connection was lost before it
+
+
 class DirectSendProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol; each request's scope also carries the connection's transport."""
+    """uvicorn's httptools protocol; each request's scope also carries the connection's transport and the
+    protocol itself, whose request body can go to a ``BodySink`` instead of ASGI ``receive``."""
+
+    _sink: BodySink | None = None
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self.scope["extensions"] = {DIRECT_EXTENSION: {"transport": self.transport}}
+        self._sink = None
+        self.scope["extensions"] = {DIRECT_EXTENSION: {"transport": self.transport, "protocol": self}}
+
+    def sink_body(self, sink: BodySink) -> None:
+        """From now on this request's body goes to ``sink`` as httptools parses it (event loop), what arrived
+        already first. ``receive`` must not be called until the sink heard the body's end (it would resume
+        reading the socket whatever the sink's room)."""
+        self._sink = sink
+        cycle = self.cycle
+        data, cycle.body = cycle.body, b""
+        self.flow.resume_reading()  # uvicorn pauses with 64 KiB kept for receive: from here the sink decides
+        if data:
+            sink.feed(data, self.flow)
+        if not cycle.more_body:
+            sink.finish()
+
+    def on_body(self, body: bytes) -> None:
+        sink = self._sink
+        if sink is None:
+            super().on_body(body)
+        elif not self.cycle.response_complete:
+            sink.feed(body, self.flow)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        if self._sink is not None:
+            self._sink.finish()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._sink is not None:
+            self._sink.fail()
+        super().connection_lost(exc)
+
+
+def protocol_of(scope: dict) -> DirectSendProtocol | None:
+    """The connection's protocol, when it can hand a request body to a sink."""
+    extension = (scope.get("extensions") or {}).get(DIRECT_EXTENSION)
+    return extension.get("protocol") if extension else None
 
 
 def transport_of(scope: dict) -> asyncio.Transport | None:

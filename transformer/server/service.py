@@ -17,7 +17,6 @@ import threading
 import time
 from urllib.parse import unquote, urlsplit
 
-import httpx
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -34,8 +33,17 @@ from .logs import quiet_foreseen_aborts
 from .metrics import Metrics
 from .output import Output
 from .processes import ShardProcesses
-from .protocols import transport_of
-from .sources import BodySource, HttpSource, Source, fqn_source, shard_too_large, watch_disconnect
+from .protocols import protocol_of, transport_of
+from .sources import (
+    BodySource,
+    HttpSource,
+    Source,
+    fqn_source,
+    origin_client,
+    shard_too_large,
+    target_client,
+    watch_disconnect,
+)
 from .websocket import websocket
 from .worker import WorkerConfig
 
@@ -66,7 +74,8 @@ async def lifespan(app: FastAPI):
         processes = ShardProcesses(settings.processes, WorkerConfig(
             threads=process_threads(settings.workers, settings.processes),
             max_inflight=math.ceil(settings.max_inflight / settings.processes),
-            log_level=settings.log_level, ais_target_url=settings.ais_target_url, stall=settings.worker_timeout),
+            log_level=settings.log_level, ais_target_url=settings.ais_target_url, stall=settings.worker_timeout,
+            settings=settings),
             on_restart=metrics.worker_restarts.inc)
         metrics.add_decode_paths(processes.decode_paths)
         metrics.add_spread(processes.spread)
@@ -78,8 +87,8 @@ async def lifespan(app: FastAPI):
         settings=settings,
         pool=pool,
         processes=processes,
-        client=_http_client(settings),
-        origin_client=_origin_client(settings),
+        client=target_client(settings),
+        origin_client=origin_client(settings),
         metrics=metrics,
     )
     app.state.runtime = runtime
@@ -212,11 +221,14 @@ class ShardResponse(Response):
     async def __call__(self, scope, receive, send) -> None:
         cancel = threading.Event()
         source, body = self.source, None
-        if source is None:  # the request body, read by the event loop as the driver asks for it
-            source = body = BodySource(asyncio.get_running_loop(), cancel)
+        if source is None:  # the request body, read by the event loop as the driver (or a worker) asks for it
+            source = body = BodySource(asyncio.get_running_loop(), cancel, pipe=self.rt.processes is not None)
         transport = transport_of(scope) if self.rt.settings.direct_send else None
         output = Output(self.request.shard, cancel=cancel, deadline=self.deadline,
                         input_done=body.complete if body is not None else None, may_go_direct=transport is not None)
+        protocol = protocol_of(scope)
+        if body is not None and body.piped and protocol is not None:
+            body.sink_to(protocol)  # the body goes from the HTTP parser into the worker's pipe
         watcher = asyncio.create_task(body.pump(receive, cancel.set) if body is not None
                                       else watch_disconnect(receive, cancel.set))
         ShardJob(self.rt, self.request, source, output).start()
@@ -226,6 +238,8 @@ class ShardResponse(Response):
         finally:
             cancel.set()  # a no-op once the job is done; otherwise it stops the job's work
             watcher.cancel()
+            if body is not None:
+                body.close()
 
     async def _body_received(self, body: BodySource) -> None:
         """Before the response ends: the rest of the request body arrived (``BodySource.received``)."""
@@ -236,18 +250,3 @@ class ShardResponse(Response):
 
 def _error(exc: TransformerError) -> Response:
     return PlainTextResponse(redact(exc.message), status_code=exc.status)
-
-
-def _http_client(settings: Settings) -> httpx.Client:
-    # TLS to AIS targets (hpull fetch, size check, direct put): AIS_CLIENT_CA, AIS_SKIP_VERIFY_CRT and the
-    # client certificate AIS_CRT + AIS_CRT_KEY (mutual TLS), checked when the settings were read.
-    verify = settings.ais_tls()
-    # Idle connections expire before the target's own 6 s idle timeout would close them under us.
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=16, keepalive_expiry=4.0)
-    return httpx.Client(verify=verify, limits=limits, follow_redirects=False, timeout=settings.obj_timeout)
-
-
-def _origin_client(settings: Settings) -> httpx.Client:
-    # /download origins are any host (a web server, a cloud bucket's URL): verified against the default
-    # bundle plus AIS_CLIENT_CA, never skip-verify, never the AIS client certificate, redirects followed.
-    return httpx.Client(verify=settings.origin_tls(), follow_redirects=True, timeout=settings.obj_timeout)

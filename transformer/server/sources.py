@@ -24,8 +24,11 @@ from ..errors import Cancelled, RequestError, UpstreamError
 from ..redact import redact
 from ..shards import readinto
 from .hops import https_hint, no_secret
+from .protocols import DirectSendProtocol, FlowControl
 
 log = logging.getLogger("transformer.server")
+
+_PIPE_BYTES = 1 << 20  # a body piped to a worker process: the pipe's size
 
 
 
@@ -84,7 +87,8 @@ class ObjectFileSource(FileSource):
     the file alone would transform a truncated shard. A ``HEAD`` of the object on the target
     (``AIS_TARGET_URL/<escaped uname>``, answered from metadata) gives its full size; when it differs
     from the file's, the object is fetched over HTTP instead. When the target cannot tell (HEAD
-    failed), the file is read: the strict tar reader still refuses a shard cut short (422).
+    failed), the file is read: the strict tar reader still refuses a shard cut short (422). With
+    worker processes the worker leading the shard makes the check (``checked_file``).
     """
 
     def __init__(self, path: str, client: httpx.Client, object_url: str, deadline: float):
@@ -93,31 +97,40 @@ class ObjectFileSource(FileSource):
 
     @contextlib.contextmanager
     def open(self):
-        local = os.path.getsize(self.path)
-        size = self._target_size()
-        if size is None or size == local:
-            with open(self.path, "rb", buffering=1024 * 1024) as stream:
-                yield stream
-            return
-        log.warning("etl_fqn %s has %d of the object's %d bytes (a chunked object); fetching %s over HTTP",
-                    self.path, local, size, no_secret(self.object_url))
-        with HttpSource(self.client, self.object_url, self.deadline).open() as stream:
-            yield stream
+        with open(self.path, "rb", buffering=1024 * 1024) as stream, \
+                checked_file(stream, self.path, self.client, self.object_url, self.deadline) as checked:
+            yield checked
 
-    def _target_size(self) -> int | None:
-        remaining = max(0.1, self.deadline - time.monotonic())
-        try:
-            response = self.client.head(self.object_url, timeout=httpx.Timeout(min(5.0, remaining)))
-        except httpx.HTTPError as exc:
-            log.warning("etl_fqn %s: HEAD %s failed (%s); reading the file as is",
-                        self.path, no_secret(self.object_url), exc.__class__.__name__)
-            return None
-        length = response.headers.get("content-length", "")
-        if response.status_code != 200 or not length.isdigit():
-            log.warning("etl_fqn %s: HEAD %s answered %d without a size; reading the file as is",
-                        self.path, no_secret(self.object_url), response.status_code)
-            return None
-        return int(length)
+
+@contextlib.contextmanager
+def checked_file(stream: BinaryIO, path: str, client: httpx.Client, object_url: str, deadline: float):
+    """``stream`` (an FQN's open file), or the object fetched from ``object_url`` when the target's size of it
+    differs (``ObjectFileSource``)."""
+    local = os.fstat(stream.fileno()).st_size
+    size = _target_size(client, object_url, deadline, path)
+    if size is None or size == local:
+        yield stream
+        return
+    log.warning("etl_fqn %s has %d of the object's %d bytes (a chunked object); fetching %s over HTTP",
+                path, local, size, no_secret(object_url))
+    with HttpSource(client, object_url, deadline).open() as fetched:
+        yield fetched
+
+
+def _target_size(client: httpx.Client, object_url: str, deadline: float, path: str) -> int | None:
+    remaining = max(0.1, deadline - time.monotonic())
+    try:
+        response = client.head(object_url, timeout=httpx.Timeout(min(5.0, remaining)))
+    except httpx.HTTPError as exc:
+        log.warning("etl_fqn %s: HEAD %s failed (%s); reading the file as is",
+                    path, no_secret(object_url), exc.__class__.__name__)
+        return None
+    length = response.headers.get("content-length", "")
+    if response.status_code != 200 or not length.isdigit():
+        log.warning("etl_fqn %s: HEAD %s answered %d without a size; reading the file as is",
+                    path, no_secret(object_url), response.status_code)
+        return None
+    return int(length)
 
 
 class BytesSource(Source):
@@ -135,13 +148,19 @@ class BodySource(Source):
 
     One-shot: it cannot be replayed, which is why a failed direct put of a body-mode request is
     answered with AIS's 503 + ``Ais-Etl-Retry-Reason`` (the target then re-sends the body).
+
+    ``pipe``: the body goes, as it arrives, into a pipe whose read end is a worker process's input
+    (``take_read_end``), written by the event loop itself: no thread in between. With the service's
+    protocol (``protocols.DirectSendProtocol.sink_body``) each chunk goes there straight from the HTTP
+    parser (``feed``), without ASGI's copies and wake-ups, so the server process spends a system call
+    per chunk on it (docs/performance.md, "Cores"); else ``pump`` writes what ``receive`` returns.
     """
 
     replayable = False
 
     _MAX_CHUNKS = 16  # body chunks buffered between the event loop and the driver (then TCP backpressure)
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, cancel: threading.Event):
+    def __init__(self, loop: asyncio.AbstractEventLoop, cancel: threading.Event, pipe: bool = False):
         self.loop, self.cancel = loop, cancel
         self.complete = threading.Event()  # the whole body has been received
         self._received = asyncio.Event()  # the same, or the caller went away (for the event loop)
@@ -153,26 +172,173 @@ class BodySource(Source):
         self._ready = threading.Condition()
         self._room = asyncio.Event()
         self._room.set()
+        self.error: BaseException | None = None  # why the body ended short (pipe mode)
+        self._read_end: int | None = None
+        self._write_end: int | None = None
+        self._writable: asyncio.Future | None = None
+        self._sunk = False  # the protocol feeds the pipe (sink_to)
+        self._backlog: deque[memoryview] = deque()  # fed while the pipe was full
+        self._flow: FlowControl | None = None  # the connection's reading, paused while there is a backlog
+        self._finished = False
+        if pipe:
+            self._read_end, self._write_end = os.pipe2(os.O_CLOEXEC)
+            with contextlib.suppress(OSError):  # fewer, larger writes; the pipe's default is 64 KiB
+                import fcntl
+
+                fcntl.fcntl(self._write_end, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+            os.set_blocking(self._write_end, False)
+
+    @property
+    def piped(self) -> bool:
+        return self._write_end is not None or self._read_end is not None
+
+    def take_read_end(self) -> int:
+        """The pipe's read end, for a worker process (the caller closes it once handed over)."""
+        fd, self._read_end = self._read_end, None
+        assert fd is not None, "a body source in pipe mode, read end taken once"
+        return fd
+
+    # -- pipe mode, fed by the connection's protocol (event loop) ---------------------------------------
+
+    def sink_to(self, protocol: DirectSendProtocol) -> None:
+        """Have ``protocol`` feed the body into the pipe as it parses it (``pump`` then only waits for its end)."""
+        self._sunk = True
+        protocol.sink_body(self)
+
+    def feed(self, data: bytes, flow: FlowControl) -> None:
+        if self._discard or self._write_end is None:
+            return
+        if self._backlog:
+            self._backlog.append(memoryview(data))
+            return
+        try:
+            written = os.write(self._write_end, data)
+        except BlockingIOError:
+            written = 0
+        except OSError:  # EPIPE: the worker stopped reading; its report or error says why
+            self._discard = True
+            return
+        if written < len(data):
+            self._backlog.append(memoryview(data)[written:])
+            self._flow = flow
+            flow.pause_reading()  # TCP back-pressure until the worker read what waits
+            self.loop.add_writer(self._write_end, self._drain)
+
+    def _drain(self) -> None:
+        while self._backlog and not self._discard and self._write_end is not None:
+            try:
+                written = os.write(self._write_end, self._backlog[0])
+            except BlockingIOError:
+                return
+            except OSError:
+                self._discard = True
+                break
+            first = self._backlog[0]
+            if written < len(first):
+                self._backlog[0] = first[written:]
+                return
+            self._backlog.popleft()
+        self._unblock()
+        if self._finished:
+            self._close_pipe()
+
+    def _unblock(self) -> None:
+        self._backlog.clear()
+        if self._write_end is not None:
+            self.loop.remove_writer(self._write_end)
+        if self._flow is not None:
+            self._flow.resume_reading()
+            self._flow = None
+
+    def finish(self) -> None:
+        self._finished = True
+        self.complete.set()
+        self._received.set()
+        if not self._backlog:
+            self._close_pipe()
+
+    def fail(self) -> None:
+        if self._finished:
+            return
+        self.error = Cancelled("caller disconnected while sending the body")
+        self._received.set()
+        self._unblock()
+        self._close_pipe()
+
+    # -- pipe mode, written by ``pump``; and the queue the driver thread reads -------------------------
 
     async def pump(self, receive: Callable, on_disconnect: Callable[[], None]) -> None:
-        """Move body chunks to the driver (awaiting room: TCP backpressure), then watch for disconnect."""
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                self._put(Cancelled("caller disconnected while sending the body"), force=True)
-                self._received.set()
+        """Move body chunks to the driver or the pipe (awaiting room: TCP backpressure), then watch for disconnect.
+
+        Fed by the protocol (``sink_to``), it only waits for the body's end: ``receive`` would resume reading
+        the socket while the pipe is full."""
+        if self._sunk:
+            await self._received.wait()
+            if self.error is not None:
                 on_disconnect()
                 return
-            body = message.get("body", b"")
-            if body and not self._discard:
-                while not self._put(body) and not self._discard:
-                    await self._room.wait()
-            if not message.get("more_body", False):
-                self.complete.set()
-                self._received.set()
-                self._put(b"", force=True)
-                break
-        await watch_disconnect(receive, on_disconnect)
+            await watch_disconnect(receive, on_disconnect)
+            return
+        try:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    self.error = Cancelled("caller disconnected while sending the body")
+                    self._put(self.error, force=True)
+                    self._received.set()
+                    on_disconnect()
+                    return
+                body = message.get("body", b"")
+                if body and not self._discard:
+                    if self._write_end is not None:
+                        await self._write(body)
+                    else:
+                        while not self._put(body) and not self._discard:
+                            await self._room.wait()
+                if not message.get("more_body", False):
+                    self.complete.set()
+                    self._received.set()
+                    self._put(b"", force=True)
+                    break
+            self._close_pipe()  # the worker reads the body's end
+            await watch_disconnect(receive, on_disconnect)
+        finally:
+            self._close_pipe()
+
+    async def _write(self, data: bytes) -> None:
+        """Into the pipe without blocking the loop: when it is full, wait until the worker read some."""
+        view = memoryview(data)
+        while view and not self._discard and self._write_end is not None:
+            try:
+                view = view[os.write(self._write_end, view):]
+            except BlockingIOError:
+                self._writable = self.loop.create_future()
+                self.loop.add_writer(self._write_end, self._wake_writer)
+                try:
+                    await self._writable
+                finally:
+                    self.loop.remove_writer(self._write_end)
+                    self._writable = None
+            except OSError:  # EPIPE: the worker stopped reading; its report or error says why
+                self._discard = True
+
+    def _wake_writer(self) -> None:
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+
+    def _close_pipe(self) -> None:
+        if self._write_end is not None:
+            os.close(self._write_end)
+            self._write_end = None
+
+    def close(self) -> None:
+        """The response ended: a pipe's read end never handed over is closed (event loop)."""
+        if self._sunk:
+            self._unblock()
+        self._close_pipe()
+        if self._read_end is not None:
+            os.close(self._read_end)
+            self._read_end = None
 
     async def received(self, timeout: float) -> bool:
         """Before the response ends: wait (up to ``timeout`` s) until the whole body has arrived, dropping
@@ -184,6 +350,9 @@ class BodySource(Source):
         sends and reads at once (the previous stage of a pipeline) would get a response cut short.
         """
         self._discard = True
+        self._wake_writer()
+        if self._sunk:
+            self._unblock()  # what still arrives is read and dropped
         with self._ready:
             self._chunks_in.clear()
         self._room.set()
@@ -325,3 +494,19 @@ def fqn_source(raw: str, settings: Settings, client: httpx.Client, deadline: flo
     uname = uname or object_uname(path, object_name)
     return ObjectFileSource(path, client, f"{settings.ais_target_url}/{path_escape(uname)}", deadline)
 
+
+def target_client(settings: Settings) -> httpx.Client:
+    """The client for AIS targets (hpull fetch, size check, direct put): the server's and each worker's."""
+    # TLS to AIS targets (hpull fetch, size check, direct put): AIS_CLIENT_CA, AIS_SKIP_VERIFY_CRT and the
+    # client certificate AIS_CRT + AIS_CRT_KEY (mutual TLS), checked when the settings were read.
+    verify = settings.ais_tls()
+    # Idle connections expire before the target's own 6 s idle timeout would close them under us.
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=16, keepalive_expiry=4.0)
+    return httpx.Client(verify=verify, limits=limits, follow_redirects=False, timeout=settings.obj_timeout)
+
+
+def origin_client(settings: Settings) -> httpx.Client:
+    """The client for ``/download`` origins."""
+    # /download origins are any host (a web server, a cloud bucket's URL): verified against the default
+    # bundle plus AIS_CLIENT_CA, never skip-verify, never the AIS client certificate, redirects followed.
+    return httpx.Client(verify=settings.origin_tls(), follow_redirects=True, timeout=settings.obj_timeout)

@@ -34,6 +34,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ..config import Settings
 from ..engine import ShardReport, Write, transform_shard
 from ..errors import Cancelled, TransformerError
 from ..options import TransformOptions
@@ -45,7 +46,7 @@ from .board import Board
 from .direct import FrameLog, FrameWriter, ws_continuation_frame
 from .ipc import portable, send_parts
 from .logs import LOG_FORMAT
-from .sources import Counting
+from .sources import Counting, HttpSource, checked_file, origin_client, target_client
 from .spread import Peers, SpreadPool
 
 log = logging.getLogger("transformer.server")
@@ -74,6 +75,7 @@ class WorkerConfig:
     index: int = 0  # its slot on the board
     processes: int = 1  # slots on the board
     stall: float = 20.0  # a sample running longer stops the heartbeat (ETL_WORKER_TIMEOUT)
+    settings: Settings | None = None  # for the worker's own fetches (hpull, /download): TLS, timeouts
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,10 @@ class WorkerJob:
     deadline: float  # time.monotonic() is one clock for every process of the host
     offer: bool = False  # the server offers the caller's connection after the first chunk (answers either way)
     body: bool = False  # the input is the caller's request body (a caller that is not reading may be sending)
+    fetch: str = ""  # the input is fetched by the worker from this URL (no input descriptor is sent)
+    origin: bool = False  # ... a /download origin's (else an AIS target's)
+    check: str = ""  # the input is an FQN's file: the object's URL on the target, to check its size first
+    path: str = ""  # that file's path (for messages)
 
 
 def report_state(report: ShardReport) -> dict:
@@ -158,6 +164,8 @@ class _Worker:
         self.control, self.config, self.board, self.pool, self.peers = control, config, board, pool, peers
         self.slot = board.slots[config.index]
         self._finished_lock = threading.Lock()
+        self._clients: dict[bool, object] = {}  # fetches: to the target (False), to /download origins (True)
+        self._clients_lock = threading.Lock()
 
     def beat(self) -> None:
         """Heartbeats (unless a sample runs past the stall bound) and, now and then, the decode-path counts and the
@@ -190,18 +198,22 @@ class _Worker:
     def lead(self, job: WorkerJob, fds: list[int]) -> None:
         """Transform one shard, spreading its samples, and send its output (``Reply``)."""
         out = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=fds[0])
-        stream = _Input(open(fds[1], "rb", buffering=FEED))
+        stream = _Input(None if job.fetch or job.check else open(fds[1], "rb", buffering=FEED))
         reply = Reply(out, job, stream)
         report = ShardReport(job.shard, job.object_name, job.options.on_error)
         counted = Counting(stream, job.shard, job.limit)
         spread = SpreadPool(self.peers, job.options)
         try:
-            chunks = transform_shard(counted, job.options, spread, shard=job.shard, object_name=job.object_name,  # type: ignore[arg-type]
-                                     window=job.window, report=report, cancel=reply.cancel, deadline=job.deadline,
-                                     writer=reply.try_write if job.offer else None)
-            with contextlib.closing(chunks):
-                for chunk in chunks:
-                    reply.write(chunk)
+            with self._fetched(job, fds) as fetched:
+                if fetched is not None:
+                    stream.attach(fetched)
+                chunks = transform_shard(counted, job.options, spread,  # type: ignore[arg-type]
+                                         shard=job.shard, object_name=job.object_name, window=job.window,
+                                         report=report, cancel=reply.cancel, deadline=job.deadline,
+                                         writer=reply.try_write if job.offer else None)
+                with contextlib.closing(chunks):
+                    for chunk in chunks:
+                        reply.write(chunk)
             reply.end(report, counted.count)
         except BaseException as exc:
             if not isinstance(exc, (TransformerError, OSError)):
@@ -214,12 +226,38 @@ class _Worker:
             with self._finished_lock:
                 self.slot.finished += 1
 
+    def _fetched(self, job: WorkerJob, fds: list[int]) -> contextlib.AbstractContextManager:
+        """The input this worker opens itself: fetched from its URL (hpull from the target, ``/download`` from an
+        origin), or an FQN's file checked against the target's size of the object; None: the descriptor."""
+        if not job.fetch and not job.check:
+            return contextlib.nullcontext(None)
+        with self._clients_lock:
+            client = self._clients.get(job.origin)
+            if client is None:
+                assert self.config.settings is not None
+                make = origin_client if job.origin else target_client
+                client = self._clients[job.origin] = make(self.config.settings)
+        if job.fetch:
+            return HttpSource(client, job.fetch, job.deadline).open()
+        return _checked(fds[1], job, client)
+
+
+@contextlib.contextmanager
+def _checked(fd: int, job: WorkerJob, client):
+    """An FQN's file, or the object fetched instead when the target's size of it differs (a chunked object)."""
+    with open(fd, "rb", buffering=FEED) as file, checked_file(file, job.path, client, job.check, job.deadline) as read:
+        yield read
+
 
 class _Input:
     """The shard's input, remembering whether its end was read (a body still arriving may block its caller)."""
 
     def __init__(self, stream):
         self._stream, self.ended = stream, False
+
+    def attach(self, stream) -> None:
+        """The stream, once opened (a fetch)."""
+        self._stream = stream
 
     def read(self, size: int = -1) -> bytes:
         data = self._stream.read(size)
@@ -234,7 +272,8 @@ class _Input:
         return count
 
     def close(self) -> None:
-        self._stream.close()
+        if self._stream is not None:
+            self._stream.close()
 
 
 class Reply:
