@@ -1,22 +1,34 @@
-"""How the pod's throughput grows with its cores: GIL shares, the cores ceiling, memory, and a projection.
+"""How the pod uses its cores: shards in flight, the server process's GIL by comm type, CPU and memory per
+image, and a model of more cores.
 
-``python -m bench.scaling`` (about 5 minutes on 2 cores) runs the pod the way an AIS target drives it
-(hpush with ``etl_fqn``, 4 shards in flight, curl as the client) in two designs:
+``python -m bench.scaling`` (about 10 minutes on 2 cores) runs the pod as AIS targets drive it (curl and
+a ws client play the target; a sendfile server plays the target hpull fetches from), on the demo's
+ImageNet-size shards (1,000 samples, about 100 MB each), imagenet-train, float32, ``ETL_WORKERS=2``, in
+two designs:
 
-- ``threads``: every transform thread in the server process (``ETL_PROCESSES=0``, the default up to
-  4 CPUs);
-- ``processes``: the threads spread over worker processes (server/processes.py), the server process
-  relaying bytes (the default from 5 CPUs).
+- ``threads``: every transform thread in the server process (``ETL_PROCESSES=0``);
+- ``processes``: two worker processes (``ETL_PROCESSES=2``): each shard led by one, its samples spread
+  over both, the output written to the caller by the leader (server/spread.py, server/worker.py).
 
-For each it reports, per process at full load, the share of wall time a thread holds that process's
-GIL (``py-spy record --gil``: samples holding the GIL over samples taken) and the CPU it used; the
-**cores ceiling**, the cores used divided by the GIL share of the process every sample passes through
-(the server process); and that process's GIL time per image against the pod's CPU time per image
-(the target: at most 1/32). Then the pod's PSS (forked workers share pages) as worker processes are
-added, and images/s measured at 1 and 2 workers for both designs and for the SDK peer
-(``bench/peers/conventional_etl.py``, uvicorn ``--workers N``), projected to 4-64 cores: a design
-delivers its per-core rate on ``min(cores, ceiling)`` cores. Writes ``scaling.json``, ``scaling.md``
-and ``scaling.png`` to ``--out``.
+It measures, both pods up and taken in turns round after round (so both see the same machine):
+
+1. **shards in flight**: 1, 2 and 4 shards in flight (hpush ``etl_fqn``): images/s, the cores the pod
+   used, the cores the whole machine used (the pod and its callers), the pod's CPU ms per image; and per
+   round the processes design's CPU per image over the threads design's;
+2. **comm types**: at 4 shards in flight, hpush ``etl_fqn``, hpush with the shard as the body, hpull
+   (the pod fetches the shard) and ws (``fqn``): the share of wall time a thread of each pod process holds
+   its GIL (``py-spy record --gil``), and the **cores ceiling**: the cores used over the server process's
+   share (every request reaches it, so its GIL saturating is where adding cores stops helping);
+3. **one shard's own ceiling** (processes): one shard in flight, the GIL time the worker processes spend
+   outside the transforms (leading the shard: reading it, sending samples, writing the output), per image;
+4. **memory**: the pod's PSS idle and under load, and each process's USS;
+5. **the machine**: its memory bandwidth (numpy copies);
+
+then a **model** of more cores, each design's images/s as the least of: its CPU per image on all cores,
+its server process's serial work (the ceiling), one shard's serial work (one shard in flight), and the
+memory bandwidth over the bytes an image moves (an estimate). ``--sweep 1,2,4,...`` (a machine with that
+many cores) measures images/s per worker count instead: both designs and the SDK peer, and one shard
+in flight. Writes ``scaling.json``, ``scaling.md`` and ``scaling.png`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -27,26 +39,29 @@ import json
 import logging
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
 
 from . import data
-from .services import Server, curl_available, hpush, start_peer, start_service
+from .services import FileTarget, Result, Server, curl_available, hpull, hpush, start_peer, start_service, ws_request
 
 log = logging.getLogger("bench.scaling")
 REPO_ROOT = Path(__file__).resolve().parents[1]
-CORES = (1, 2, 4, 8, 16, 32, 64)
-TARGET_FRACTION = 1 / 32  # the server process's GIL time per image, of the pod's CPU time per image
-CONCURRENCY = 4
-PRESETS = {"imagenet-train": '{"preset": "imagenet-train", "dtype": "float32"}',
-           "imagenet-val": '{"preset": "imagenet-val", "dtype": "float32"}'}
+CORES = (2, 4, 8, 16, 32, 64)
+TARGET_CEILING = 64  # the server process's GIL may be held for at most 1/64 of the pod's CPU time
+ETL_ARGS = '{"preset": "imagenet-train", "dtype": "float32"}'
+DESIGNS = {"threads": 0, "processes": 2}  # ETL_PROCESSES at ETL_WORKERS=2
+COMMS = ("fqn", "body", "hpull", "ws")
+FLOAT32_OUT = 3 * 224 * 224 * 4  # an imagenet-train float32 array's bytes
 
 
 @dataclass
@@ -54,21 +69,25 @@ class ProcessLoad:
     role: str  # server, worker, forkserver
     pid: int
     cpu_seconds: float
-    gil_share: float | None  # of wall time, None without py-spy
+    gil_share: float | None = None  # of wall time, None without py-spy
+    spread_gil_share: float | None = None  # the same, outside the transform threads (a worker's leading work)
 
 
 @dataclass
-class LoadRun:
+class Case:
+    """One design driven for a while: what it delivered and what it cost."""
+
     design: str
     workers: int
     processes: int
-    preset: str
-    images_kind: str
+    comm: str
+    inflight: int
     images: int
     wall: float
-    pod_cpu_seconds: float
+    pod_cpu: float
+    machine_cpu: float
+    round: int = 0
     per_process: list[ProcessLoad] = field(default_factory=list)
-    memory: dict = field(default_factory=dict)
 
     @property
     def images_per_second(self) -> float:
@@ -76,35 +95,42 @@ class LoadRun:
 
     @property
     def cores_used(self) -> float:
-        return self.pod_cpu_seconds / self.wall if self.wall else 0.0
+        return self.pod_cpu / self.wall if self.wall else 0.0
+
+    @property
+    def machine_cores(self) -> float:
+        return self.machine_cpu / self.wall if self.wall else 0.0
 
     @property
     def cpu_ms_per_image(self) -> float:
-        return 1000 * self.pod_cpu_seconds / self.images if self.images else 0.0
-
-    def server(self) -> ProcessLoad:
-        return next(p for p in self.per_process if p.role == "server")
+        return 1000 * self.pod_cpu / self.images if self.images else 0.0
 
     @property
     def server_gil_share(self) -> float | None:
-        return self.server().gil_share
+        return next((p.gil_share for p in self.per_process if p.role == "server"), None)
 
     @property
     def ceiling(self) -> float | None:
         """Cores the pod could use before the server process's GIL is always held."""
         share = self.server_gil_share
-        return None if not share else self.cores_used / share
+        return None if share is None else (self.cores_used / share if share else float("inf"))
 
     @property
-    def server_gil_fraction(self) -> float | None:
-        """The server process's GIL time per image over the pod's CPU time per image."""
-        share = self.server_gil_share
-        return None if share is None or not self.pod_cpu_seconds else share * self.wall / self.pod_cpu_seconds
+    def spread_gil_ms_per_image(self) -> float | None:
+        """The worker processes' GIL time outside their transform threads, per image (leading the shards)."""
+        shares = [p.spread_gil_share for p in self.per_process if p.role == "worker"]
+        if not shares or any(s is None for s in shares) or not self.images:
+            return None
+        return 1000 * sum(shares) * self.wall / self.images  # type: ignore[arg-type]
 
     def summary(self) -> dict:
         return {**asdict(self), "images_per_second": self.images_per_second, "cores_used": self.cores_used,
-                "cpu_ms_per_image": self.cpu_ms_per_image, "server_gil_share": self.server_gil_share,
-                "ceiling": self.ceiling, "server_gil_fraction": self.server_gil_fraction}
+                "machine_cores": self.machine_cores, "cpu_ms_per_image": self.cpu_ms_per_image,
+                "server_gil_share": self.server_gil_share, "ceiling": self.ceiling,
+                "spread_gil_ms_per_image": self.spread_gil_ms_per_image}
+
+
+# ----------------------------------------------------------------------------------------------- the pod
 
 
 def pod_processes(server: Server) -> list[tuple[str, psutil.Process]]:
@@ -138,60 +164,86 @@ def memory(processes: list[tuple[str, psutil.Process]]) -> dict:
     return found
 
 
-def gil_share(pid: int, seconds: float, rate: int = 100) -> float | None:
-    """The share of ``seconds`` during which some thread of ``pid`` held its GIL (py-spy), None without py-spy."""
+def _py_spy() -> str | None:
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    if not Path(spy).exists():
+    return spy if Path(spy).exists() else None
+
+
+def gil_shares(pid: int, seconds: float, rate: int = 100) -> tuple[float, float] | None:
+    """(share of ``seconds`` during which some thread of ``pid`` held its GIL, the same outside threads named
+    ``transform_*``), from ``py-spy record --gil``; None without py-spy (it needs ptrace: root)."""
+    spy = _py_spy()
+    if spy is None:
         return None
     with tempfile.NamedTemporaryFile(suffix=".txt") as out:
         start = time.monotonic()
-        done = subprocess.run([spy, "record", "--pid", str(pid), "--gil", "--rate", str(rate), "--nonblocking",
-                               "--duration", str(max(1, round(seconds))), "--format", "raw", "-o", out.name],
-                              capture_output=True, text=True, timeout=seconds + 30)
+        done = subprocess.run([spy, "record", "--pid", str(pid), "--gil", "--threads", "--rate", str(rate),
+                               "--nonblocking", "--duration", str(max(1, round(seconds))), "--format", "raw",
+                               "-o", out.name], capture_output=True, text=True, timeout=seconds + 30)
         elapsed = time.monotonic() - start
         if done.returncode != 0:
             log.warning("py-spy on pid %d failed: %s", pid, done.stderr.strip()[-300:])
             return None
-        held = sum(int(line.rsplit(" ", 1)[1]) for line in Path(out.name).read_text().splitlines() if " " in line)
-    return min(1.0, held / (rate * max(1.0, min(elapsed, seconds))))
+        held = spread = 0
+        for line in Path(out.name).read_text().splitlines():
+            if " " not in line:
+                continue
+            stack, count = line.rsplit(" ", 1)
+            held += int(count)
+            thread = stack.split(";", 1)[0]
+            if "transform_" not in thread:
+                spread += int(count)
+    window = rate * max(1.0, min(elapsed, seconds))
+    return min(1.0, held / window), min(1.0, spread / window)
 
 
-def drive(server: Server, shards: list[data.Shard], etl_args: str, seconds: float, spy: bool,
-          concurrency: int = CONCURRENCY) -> tuple[int, float, dict, float]:
-    """Keep ``concurrency`` shards in flight for ``seconds``; (images, wall, per-pid GIL share, pod CPU seconds)."""
+def request(server: Server, shard: data.Shard, comm: str) -> Result:
+    """One shard as an AIS target sends it by ``comm``."""
+    if comm == "ws":
+        return ws_request(server.url, shard.path, ETL_ARGS, timeout=600)
+    if comm == "hpull":
+        return hpull(server.url, shard.path, ETL_ARGS, timeout=600)
+    return hpush(server.url, shard.object_path, shard.path, comm, ETL_ARGS, timeout=600)
+
+
+def drive(server: Server, design: str, workers: int, processes: int, shards: list[data.Shard], comm: str,
+          inflight: int, seconds: float, spy: bool = False, rnd: int = 0,
+          call: Callable[[Server, data.Shard, str], Result] = request) -> Case:
+    """Keep ``inflight`` shards in flight for ``seconds`` (each request that started is counted whole)."""
     stop = threading.Event()
-    images = [0]
-    errors: list[str] = []
+    images, errors, counter = [0], [], [0]
     lock = threading.Lock()
-    counter = [0]
 
     def loop() -> None:
         while not stop.is_set():
             with lock:
                 shard = shards[counter[0] % len(shards)]
                 counter[0] += 1
-            result = hpush(server.url, shard.object_path, shard.path, "fqn", etl_args, timeout=600)
+            result = call(server, shard, comm)
             with lock:
                 if result.ok:
                     images[0] += shard.images
                 else:
                     errors.append(result.error)
 
-    processes = pod_processes(server)
-    cpu_before = server.cpu_seconds()
+    found = pod_processes(server)
+    before = {p.pid: _cpu(p) for _, p in found}
+    machine_before = _machine_cpu()
+    pod_before = server.cpu_seconds()
     start = time.monotonic()
-    threads = [threading.Thread(target=loop) for _ in range(concurrency)]
+    threads = [threading.Thread(target=loop) for _ in range(inflight)]
     for thread in threads:
         thread.start()
-    shares: dict[int, float | None] = {}
+    shares: dict[int, tuple[float, float] | None] = {}
     if spy:
-        time.sleep(min(2.0, seconds / 4))  # past the first shards' start
-        window = max(1.0, seconds - 2 * min(2.0, seconds / 4))
-        spies = {pid: threading.Thread(target=lambda p=pid: shares.__setitem__(p, gil_share(p, window)))
-                 for pid in [p.pid for role, p in processes if role != "forkserver"]}
-        for spy_thread in spies.values():
+        settle = min(2.0, seconds / 4)
+        time.sleep(settle)
+        window = max(1.0, seconds - 2 * settle)
+        spies = [threading.Thread(target=lambda p=p: shares.__setitem__(p, gil_shares(p, window)))
+                 for p in [p.pid for role, p in found if role != "forkserver"]]
+        for spy_thread in spies:
             spy_thread.start()
-        for spy_thread in spies.values():
+        for spy_thread in spies:
             spy_thread.join()
     remaining = seconds - (time.monotonic() - start)
     if remaining > 0:
@@ -201,25 +253,17 @@ def drive(server: Server, shards: list[data.Shard], etl_args: str, seconds: floa
         thread.join()
     wall = time.monotonic() - start
     if errors:
-        raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
-    return images[0], wall, shares, server.cpu_seconds() - cpu_before
-
-
-def measure(server: Server, design: str, workers: int, processes: int, preset: str, kind: str,
-            shards: list[data.Shard], seconds: float, spy: bool = True, concurrency: int = CONCURRENCY) -> LoadRun:
-    hpush(server.url, shards[0].object_path, shards[0].path, "fqn", PRESETS[preset], timeout=600)  # warm
-    found = pod_processes(server)
-    cpu_before = {p.pid: _cpu(p) for _, p in found}
-    images, wall, shares, pod_cpu = drive(server, shards, PRESETS[preset], seconds, spy, concurrency)
-    run = LoadRun(design, workers, processes, preset, kind, images, wall, pod_cpu)
+        raise RuntimeError(f"{design} {comm}: {len(errors)} requests failed, first: {errors[0]}")
+    case = Case(design, workers, processes, comm, inflight, images[0], wall, server.cpu_seconds() - pod_before,
+                _machine_cpu() - machine_before, rnd)
     for role, process in found:
-        run.per_process.append(ProcessLoad(role, process.pid, _cpu(process) - cpu_before[process.pid],
-                                           shares.get(process.pid)))
-    run.memory = memory(found)
-    log.info("%-9s w=%d p=%d %-14s %-8s %6.0f images/s  %.2f cores  %.2f CPU ms/image  server GIL %s  ceiling %s",
-             design, workers, processes, preset, kind, run.images_per_second, run.cores_used, run.cpu_ms_per_image,
-             _pct(run.server_gil_share), _num(run.ceiling))
-    return run
+        share = shares.get(process.pid)
+        case.per_process.append(ProcessLoad(role, process.pid, _cpu(process) - before[process.pid],
+                                            share[0] if share else None, share[1] if share else None))
+    log.info("%-9s %-5s %d in flight: %6.0f images/s  pod %.2f cores, machine %.2f  %.2f CPU ms/image%s", design,
+             comm, inflight, case.images_per_second, case.cores_used, case.machine_cores, case.cpu_ms_per_image,
+             f"  server GIL {_pct(case.server_gil_share)} ceiling {_num(case.ceiling)}" if spy else "")
+    return case
 
 
 def _cpu(process: psutil.Process) -> float:
@@ -230,214 +274,320 @@ def _cpu(process: psutil.Process) -> float:
         return 0.0
 
 
-def project(rate_per_core: float, ceiling: float | None, cores: int) -> float:
-    """images/s on ``cores``: the measured per-core rate on as many cores as the design can use."""
-    usable = cores if ceiling is None else min(cores, ceiling)
-    return rate_per_core * usable
+def _machine_cpu() -> float:
+    times = psutil.cpu_times()
+    return sum(times) - times.idle - getattr(times, "iowait", 0.0) - getattr(times, "steal", 0.0)
 
 
 STARTS: list[dict] = []  # every service start: seconds from the command to /health = 200
 
 
-def service(work: Path, workers: int, processes: int | None, name: str) -> Server:
+def service(work: Path, workers: int, processes: int | None, name: str, target: FileTarget | None = None) -> Server:
     """The pod with ``workers`` transform threads over ``processes`` worker processes (None: the default)."""
     extra = {} if processes is None else {"ETL_PROCESSES": str(processes)}
+    if target is not None:
+        extra["AIS_TARGET_URL"] = target.url  # as in a cluster: hpull fetches there, etl_fqn checks sizes there
     start = time.monotonic()
     server = start_service(work / "logs", work, workers, extra, name=name).ready()
     STARTS.append({"name": name, "workers": workers, "processes": processes, "seconds": time.monotonic() - start})
     return server
 
 
-def sweep_cores(args: argparse.Namespace, work: Path, imagenet: list[data.Shard]) -> list[dict]:
-    """images/s at each worker count of ``--sweep``: both designs and the peer (a machine with that many cores)."""
-    rows = []
-    for workers in args.sweep:
-        # Enough shards in flight to keep every worker busy: 4 would leave the processes design's 6 workers of
-        # 3 threads at 16 (one shard each) and the peer's 16 uvicorn workers (one request each) partly idle.
-        concurrency = max(CONCURRENCY, 2 * workers)
-        for design, processes in (("threads", 0), ("processes", None)):
-            server = service(work, workers, processes, f"sweep-{design}-{workers}")
-            try:
-                run_ = measure(server, design, workers, processes if processes is not None else -1,
-                               "imagenet-train", "imagenet", imagenet, args.seconds, spy=workers == max(args.sweep),
-                               concurrency=concurrency)
-                rows.append({**run_.summary(), "concurrency": concurrency})
-            finally:
-                server.stop()
-        if args.peer:
-            server = start_peer(work / "logs", workers, name=f"sweep-peer-{workers}").ready()
-            try:
-                images, wall, _, cpu = drive(server, imagenet, "", args.seconds, spy=False, concurrency=concurrency)
-                rows.append({"design": "peer", "workers": workers, "images_per_second": images / wall,
-                             "cpu_ms_per_image": 1000 * cpu / images if images else 0.0,
-                             "concurrency": concurrency})
-            finally:
-                server.stop()
-    return rows
+def bandwidth(megabytes: int = 512, passes: int = 3) -> float:
+    """Bytes per second numpy copies one large array into another (best of ``passes``): the memory's bandwidth."""
+    import numpy as np
+
+    source = np.ones(megabytes << 20, np.uint8)
+    target = np.empty_like(source)
+    best = 0.0
+    for _ in range(passes + 1):
+        start = time.perf_counter()
+        np.copyto(target, source)
+        best = max(best, source.nbytes / (time.perf_counter() - start))
+    return best
+
+
+# ------------------------------------------------------------------------------------------------ the runs
 
 
 def run(args: argparse.Namespace) -> dict:
     work = Path(args.work)
     (work / "logs").mkdir(parents=True, exist_ok=True)
-    imagenet = data.demo_shards(work, args.shards, args.samples)
-    photos = data.photo_shards(work, 2, args.photos) if args.photos else []
-    seconds = args.seconds
-    if args.sweep:
-        rows = sweep_cores(args, work, imagenet)
-        return report(args, [], [], [], [], rows)
-    designs = [("threads", 2, 0), ("processes", 2, 2)]
-    loads: list[LoadRun] = []
-    for design, workers, processes in designs:
-        server = service(work, workers, processes, f"{design}-{workers}")
+    shards = data.demo_shards(work, args.shards, args.samples)
+    target = FileTarget(data.object_dir(work))
+    try:
+        if args.sweep:
+            return report(args, sweep=sweep_cores(args, work, shards, target))
+        servers = {design: service(work, 2, processes, design, target) for design, processes in DESIGNS.items()}
         try:
-            loads.append(measure(server, design, workers, processes, "imagenet-train", "imagenet", imagenet, seconds))
-            if not args.smoke:
-                loads.append(measure(server, design, workers, processes, "imagenet-val", "imagenet", imagenet,
-                                     seconds))
-                if photos:
-                    loads.append(measure(server, design, workers, processes, "imagenet-train", "photos", photos,
-                                         seconds))
+            for server in servers.values():  # warm: the first shard pays for lazy imports and first pages
+                request(server, shards[0], "fqn")
+            idle = {design: memory(pod_processes(server)) for design, server in servers.items()}
+            inflight: list[Case] = []
+            for rnd in range(args.rounds):
+                order = list(servers) if rnd % 2 == 0 else list(reversed(servers))
+                for count in args.inflight:
+                    for design in order:
+                        inflight.append(drive(servers[design], design, 2, DESIGNS[design], shards, "fqn", count,
+                                              args.seconds, rnd=rnd))
+            comms: list[Case] = []
+            loaded: dict[str, dict] = {}
+            for design, server in servers.items():
+                for comm in args.comms:
+                    comms.append(drive(server, design, 2, DESIGNS[design], shards, comm, max(args.inflight),
+                                       args.seconds, spy=True))
+                loaded[design] = memory(pod_processes(server))
+            one = drive(servers["processes"], "processes", 2, 2, shards, "fqn", 1, args.seconds, spy=True)
         finally:
-            server.stop()
-    sweep: list[LoadRun] = [r for r in loads if r.preset == "imagenet-train" and r.images_kind == "imagenet"]
-    memories: list[dict] = []
-    if not args.smoke:
-        for design, workers, processes in [("threads", 1, 0), ("processes", 1, 1), ("processes", 4, 4)]:
-            server = service(work, workers, processes, f"{design}-{workers}")
-            try:
-                idle = memory(pod_processes(server))
-                load = measure(server, design, workers, processes, "imagenet-train", "imagenet", imagenet,
-                               seconds / 2, spy=False)
-                if workers < 4:
-                    sweep.append(load)
-                memories.append({"design": design, "processes": processes, "idle": idle, "load": load.memory})
-            finally:
+            for server in servers.values():
                 server.stop()
-        for run_ in loads:
-            if run_.preset == "imagenet-train" and run_.images_kind == "imagenet":
-                memories.append({"design": run_.design, "processes": run_.processes, "idle": None,
-                                 "load": run_.memory})
-    peer: list[dict] = []
-    if args.peer:
-        for workers in (1, 2):
-            server = start_peer(work / "logs", workers, name=f"peer-{workers}").ready()
-            try:
-                images, wall, _, cpu = drive(server, imagenet, "", seconds, spy=False)
-                peer.append({"workers": workers, "images_per_second": images / wall,
-                             "cpu_ms_per_image": 1000 * cpu / images if images else 0.0})
-                log.info("peer      w=%d %6.0f images/s", workers, images / wall)
-            finally:
-                server.stop()
-    return report(args, loads, sweep, memories, peer)
+        peer = []
+        if args.peer:
+            for workers in (1, 2):
+                server = start_peer(work / "logs", workers, name=f"peer-{workers}").ready()
+                try:
+                    peer.append(drive(server, "peer", workers, 0, shards, "fqn", max(args.inflight), args.seconds))
+                finally:
+                    server.stop()
+        return report(args, inflight=inflight, comms=comms, one=one, peer=peer,
+                      memory={"idle": idle, "load": loaded}, bandwidth=bandwidth())
+    finally:
+        target.stop()
 
 
-def report(args: argparse.Namespace, loads: list[LoadRun], sweep: list[LoadRun], memory: list[dict],
-           peer: list[dict], cores_sweep: list[dict] | None = None) -> dict:
-    projections = {}
-    for design in ("threads", "processes"):
-        runs = [r for r in loads if r.design == design and r.preset == "imagenet-train" and r.images_kind == "imagenet"]
-        if not runs:
+def sweep_cores(args: argparse.Namespace, work: Path, shards: list[data.Shard], target: FileTarget) -> list[dict]:
+    """images/s at each worker count of ``--sweep``: both designs (2 shards per worker in flight), one shard in
+    flight (the processes design), and the peer; the server's GIL at the largest count."""
+    rows = []
+    largest = max(args.sweep)
+    for workers in args.sweep:
+        inflight = max(4, 2 * workers)
+        for design, processes in (("threads", 0), ("processes", None)):
+            server = service(work, workers, processes, f"sweep-{design}-{workers}", target)
+            try:
+                request(server, shards[0], "fqn")
+                count = processes if processes is not None else len(pod_processes(server)) - 2
+                case = drive(server, design, workers, count, shards, "fqn", inflight, args.seconds,
+                             spy=workers == largest)
+                rows.append(case.summary())
+                if design == "processes":
+                    rows.append(drive(server, design, workers, count, shards, "fqn", 1, args.seconds,
+                                      spy=workers == largest).summary())
+            finally:
+                server.stop()
+        if args.peer:
+            server = start_peer(work / "logs", workers, name=f"sweep-peer-{workers}").ready()
+            try:
+                rows.append(drive(server, "peer", workers, 0, shards, "fqn", inflight, args.seconds).summary())
+            finally:
+                server.stop()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- the model
+
+
+def model(inflight: list[Case], comms: list[Case], one: Case | None, peer: list[Case], bandwidth: float,
+          image_bytes: float) -> dict:
+    """Each design's images/s on more cores: the least of its bounds, with what each bound rests on.
+
+    * cores: the pod's CPU per image at full load, on every core (measured per core here);
+    * the server process: images/s when its GIL is always held (the lowest over the comm types);
+    * one shard: images/s when the leading worker's work outside the transforms is always holding its GIL;
+    * memory: the machine's bandwidth over the bytes an image moves through memory (an estimate).
+    """
+    result: dict = {"bounds": {}, "projection": {}}
+    traffic = _bytes_moved(image_bytes)
+    memory_bound = bandwidth / traffic if bandwidth else None
+    for design in DESIGNS:
+        full = [c for c in inflight if c.design == design and c.inflight == max(x.inflight for x in inflight)]
+        if not full:
             continue
-        train = runs[0]
-        rate = 1000 / train.cpu_ms_per_image  # images/s per core of pod CPU
-        projections[design] = {str(c): project(rate, train.ceiling, c) for c in CORES}
-    if peer:  # one process per core, no shared GIL: its per-core rate (by CPU per image) on every core
-        rate = max(1000 / p["cpu_ms_per_image"] for p in peer if p["cpu_ms_per_image"])
-        projections["peer"] = {str(c): rate * c for c in CORES}
+        rate = 1000 / statistics.median(c.cpu_ms_per_image for c in full)  # images/s per core of pod CPU
+        ceilings = [c.ceiling for c in comms if c.design == design and c.ceiling is not None]
+        server = min(ceilings) * rate if ceilings else None
+        shard = None
+        if design == "processes" and one is not None and one.spread_gil_ms_per_image:
+            shard = 1000 / one.spread_gil_ms_per_image
+        result["bounds"][design] = {"per_core": rate, "server": server, "one_shard": shard, "memory": memory_bound}
+        all_shards, one_shard = {}, {}
+        for cores in CORES:
+            bounds = [cores * rate] + [b for b in (server, memory_bound) if b]
+            all_shards[str(cores)] = min(bounds)
+            one_shard[str(cores)] = min(bounds + ([shard] if shard else []))
+        result["projection"][design] = all_shards
+        if design == "processes":
+            result["projection"]["processes, one shard"] = one_shard
+    if peer:  # one process per core, no shared GIL: its per-core rate on every core
+        rate = max(1000 / c.cpu_ms_per_image for c in peer if c.cpu_ms_per_image)
+        result["bounds"]["peer"] = {"per_core": rate, "server": None, "one_shard": None, "memory": memory_bound}
+        result["projection"]["peer"] = {str(c): min([c * rate] + ([memory_bound] if memory_bound else []))
+                                        for c in CORES}
+    result["memory"] = {"bandwidth": bandwidth, "bytes_per_image": traffic}
+    return result
+
+
+def _bytes_moved(image_bytes: float) -> float:
+    """Bytes one float32 image moves through memory, an estimate: the input read into a buffer (written and
+    read), the decoded pixels (about 4x the JPEG's bytes, written and read), the output array written, read by
+    the socket copy into the kernel's buffers and written there, and read once more when it leaves."""
+    return 2 * image_bytes + 2 * 4 * image_bytes + 4 * FLOAT32_OUT
+
+
+# ---------------------------------------------------------------------------------------------- the report
+
+
+def report(args: argparse.Namespace, inflight: list[Case] | None = None, comms: list[Case] | None = None,
+           one: Case | None = None, peer: list[Case] | None = None, memory: dict | None = None,
+           bandwidth: float = 0.0, sweep: list[dict] | None = None) -> dict:
+    inflight, comms, peer = inflight or [], comms or [], peer or []
+    image_bytes = 0.0
+    if not args.sweep:
+        shards = data.demo_shards(Path(args.work), args.shards, args.samples)
+        image_bytes = sum(s.size for s in shards) / max(1, sum(s.images for s in shards))
     result = {
         "command": "python -m bench.scaling " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "commit": _commit(),
-        "machine": {"cpus": psutil.cpu_count(), "cpu": platform.processor() or platform.machine(),
-                    "python": platform.python_version(), "load_average": list(psutil.getloadavg())},
-        "target_fraction": TARGET_FRACTION,
-        "loads": [r.summary() for r in loads],
-        "sweep": [{"design": r.design, "workers": r.workers, "processes": r.processes,
-                   "images_per_second": r.images_per_second, "cpu_ms_per_image": r.cpu_ms_per_image}
-                  for r in sweep],
-        "memory": memory,
-        "peer": peer,
-        "projection": projections,
+        "machine": {"cpus": psutil.cpu_count(), "cpu": _cpu_name(), "python": platform.python_version(),
+                    "load_average": list(psutil.getloadavg())},
+        "shards": {"count": args.shards, "samples": args.samples, "image_bytes": image_bytes},
+        "target_ceiling": TARGET_CEILING,
+        "inflight": [c.summary() for c in inflight],
+        "ratios": _ratios(inflight),
+        "comms": [c.summary() for c in comms],
+        "one_shard": one.summary() if one is not None else None,
+        "peer": [c.summary() for c in peer],
+        "memory": memory or {},
         "starts": STARTS,
-        "cores_sweep": cores_sweep or [],
+        "sweep": sweep or [],
     }
+    if inflight:
+        result["model"] = model(inflight, comms, one, peer, bandwidth, image_bytes)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "scaling.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "scaling.md").write_text(markdown(result))
-    if not args.smoke and not args.sweep:
+    if inflight and not args.smoke:
         plot(result, out / "scaling.png")
     return result
 
 
+def _ratios(inflight: list[Case]) -> dict:
+    """Per shards-in-flight count: the processes design's CPU per image over the threads design's, per round."""
+    found: dict = {}
+    for count in sorted({c.inflight for c in inflight}):
+        pairs = []
+        for rnd in sorted({c.round for c in inflight}):
+            by = {c.design: c for c in inflight if c.inflight == count and c.round == rnd}
+            if "threads" in by and "processes" in by and by["threads"].cpu_ms_per_image:
+                pairs.append(by["processes"].cpu_ms_per_image / by["threads"].cpu_ms_per_image)
+        if pairs:
+            found[str(count)] = {"median": statistics.median(pairs), "min": min(pairs), "max": max(pairs),
+                                 "rounds": pairs}
+    return found
+
+
+def _median(cases: list[dict], key: str) -> float:
+    values = [c[key] for c in cases if c[key] is not None]
+    return statistics.median(values) if values else 0.0
+
+
 def markdown(result: dict) -> str:
-    lines = [f"# The pod on more cores\n\n`{result['command']}` at {result['commit']}, {result['date']}; "
-             f"{result['machine']['cpus']} CPUs, load average at the end "
-             f"{', '.join(f'{x:.1f}' for x in result['machine']['load_average'])}.\n",
-             "## At full load (hpush with etl_fqn, 4 shards in flight, float32)\n",
-             "| design | preset | images | images/s | cores used | pod CPU ms/image | GIL share by process "
-             "(server; workers) | server GIL time per image / pod CPU per image | cores ceiling |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for load in result["loads"]:
-        shares = [p for p in load["per_process"] if p["role"] != "forkserver"]
-        text = "; ".join(_pct(p["gil_share"]) for p in shares)
-        fraction = load["server_gil_fraction"]
-        verdict = "" if fraction is None else (" (at most 1/32)" if fraction <= result["target_fraction"]
-                                               else " (over 1/32)")
-        lines.append(f"| {load['design']} ({load['processes']} processes) | {load['preset']} | "
-                     f"{load['images_kind']} | {load['images_per_second']:,.0f} | {load['cores_used']:.2f} | "
-                     f"{load['cpu_ms_per_image']:.2f} | {text} | {_frac(fraction)}{verdict} | "
-                     f"{_num(load['ceiling'])} |")
-    if result["memory"]:
-        lines += ["", "## Memory (MiB; USS: a process's own pages, what one more costs; PSS: the pod's share of all it "
-                  "maps, which moves with other processes mapping torch)\n",
-                  "| design | worker processes | when | pod PSS | server USS | fork server USS | USS per worker |",
-                  "|---|---|---|---|---|---|---|"]
-        for row in sorted(result["memory"], key=lambda r: (r["design"], r["processes"], r["idle"] is None)):
-            for when in ("idle", "load"):
-                found = row[when]
-                if not found:
-                    continue
+    machine = result["machine"]
+    lines = [f"# The pod's cores\n\n`{result['command']}` at {result['commit']}, {result['date']}; "
+             f"{machine['cpus']} CPUs ({machine['cpu']}), load average at the end "
+             f"{', '.join(f'{x:.1f}' for x in machine['load_average'])}; {result['shards']['count']} shards of "
+             f"{result['shards']['samples']} demo samples, imagenet-train, float32.\n"]
+    if result["inflight"]:
+        lines += ["## Shards in flight (hpush etl_fqn, ETL_WORKERS=2; medians over rounds)\n",
+                  "| design | shards in flight | images/s | pod cores used | machine cores used | pod CPU ms/image |",
+                  "|---|---|---|---|---|---|"]
+        for design in DESIGNS:
+            for count in sorted({c["inflight"] for c in result["inflight"]}):
+                cases = [c for c in result["inflight"] if c["design"] == design and c["inflight"] == count]
+                if cases:
+                    lines.append(f"| {design} | {count} | {_median(cases, 'images_per_second'):,.0f} | "
+                                 f"{_median(cases, 'cores_used'):.2f} | {_median(cases, 'machine_cores'):.2f} | "
+                                 f"{_median(cases, 'cpu_ms_per_image'):.2f} |")
+        lines += ["", "Pod CPU per image, processes over threads, per round (the two pods taken in turns):\n",
+                  "| shards in flight | median | range | rounds |", "|---|---|---|---|"]
+        for count, ratio in result["ratios"].items():
+            lines.append(f"| {count} | {ratio['median']:.3f} | {ratio['min']:.3f}-{ratio['max']:.3f} | "
+                         f"{', '.join(f'{r:.3f}' for r in ratio['rounds'])} |")
+    if result["comms"]:
+        lines += ["", f"## The server process's GIL by comm type ({result['comms'][0]['inflight']} shards in flight)\n",
+                  "| design | comm | images/s | pod cores used | GIL share: server; workers | cores ceiling "
+                  "(cores / server share) | server GIL time / pod CPU time |", "|---|---|---|---|---|---|---|"]
+        for case in result["comms"]:
+            shares = [p for p in case["per_process"] if p["role"] in ("server", "worker")]
+            text = "; ".join(_pct(p["gil_share"]) for p in shares)
+            share = case["server_gil_share"]
+            fraction = share * case["wall"] / case["pod_cpu"] if share is not None and case["pod_cpu"] else None
+            lines.append(f"| {case['design']} | {case['comm']} | {case['images_per_second']:,.0f} | "
+                         f"{case['cores_used']:.2f} | {text} | {_num(case['ceiling'])} | {_frac(fraction)} |")
+    one = result["one_shard"]
+    if one:
+        spread = one["spread_gil_ms_per_image"]
+        lines += ["", "## One shard in flight (processes)\n",
+                  f"{one['images_per_second']:,.0f} images/s on {one['cores_used']:.2f} cores of the pod; the worker "
+                  f"processes held their GIL outside the transform threads (leading the shard: reading it, sending "
+                  f"samples, writing the output) {_num(spread, 3)} ms per image: one shard stops at about "
+                  f"{_num(1000 / spread) if spread else 'n/a'} images/s, however many cores."]
+    memory_ = result["memory"]
+    if memory_:
+        lines += ["", "## Memory (MiB; USS: a process's own pages; PSS: the pod's share of all it maps)\n",
+                  "| design | when | pod PSS | server USS | fork server USS | USS per worker |",
+                  "|---|---|---|---|---|---|"]
+        for when in ("idle", "load"):
+            for design, found in memory_.get(when, {}).items():
                 uss = found["uss"]
-                per_worker = uss.get("worker", [])
-                lines.append(
-                    f"| {row['design']} | {row['processes']} | {'idle' if when == 'idle' else 'full load'} | "
-                    f"{found['pss'] / 2**20:,.0f} | {sum(uss.get('server', [0])) / 2**20:,.0f} | "
-                    f"{sum(uss.get('forkserver', [0])) / 2**20:,.0f} | "
-                    + (f"{sum(per_worker) / len(per_worker) / 2**20:,.0f} |" if per_worker else "|"))
-    if result["sweep"] or result["peer"]:
-        lines += ["", "## Measured images/s by workers (imagenet-train, float32)\n",
-                  "| design | workers | images/s | pod CPU ms/image |", "|---|---|---|---|"]
-        for row in sorted(result["sweep"], key=lambda r: (r["design"], r["workers"])):
-            lines.append(f"| {row['design']} | {row['workers']} | {row['images_per_second']:,.0f} | "
-                         f"{row['cpu_ms_per_image']:.2f} |")
-        for row in result["peer"]:
-            lines.append(f"| SDK peer (uvicorn --workers) | {row['workers']} | {row['images_per_second']:,.0f} | "
-                         f"{row['cpu_ms_per_image']:.2f} |")
-    if result["cores_sweep"]:
-        lines += ["", "## Measured on this machine by workers (imagenet-train, float32)\n",
-                  "| workers | threads | processes | SDK peer | processes / 1-worker x workers |",
+                workers = uss.get("worker", [])
+                lines.append(f"| {design} | {'idle' if when == 'idle' else 'full load'} | "
+                             f"{found['pss'] / 2**20:,.0f} | {sum(uss.get('server', [0])) / 2**20:,.0f} | "
+                             f"{sum(uss.get('forkserver', [0])) / 2**20:,.0f} | "
+                             + (f"{sum(workers) / len(workers) / 2**20:,.0f} |" if workers else "|"))
+    if result["peer"]:
+        lines += ["", "## The SDK peer (uvicorn --workers N)\n", "| workers | images/s | CPU ms/image |",
+                  "|---|---|---|"]
+        for case in result["peer"]:
+            lines.append(f"| {case['workers']} | {case['images_per_second']:,.0f} | "
+                         f"{case['cpu_ms_per_image']:.2f} |")
+    if result.get("model"):
+        found = result["model"]
+        lines += ["", "## The model\n",
+                  f"Memory bandwidth {found['memory']['bandwidth'] / 1e9:.1f} GB/s (numpy copy, measured); an image "
+                  f"moves about {found['memory']['bytes_per_image'] / 1e6:.1f} MB through memory (an estimate).\n",
+                  "| design | images/s per core (measured) | server process bound | one-shard bound | memory bound |",
                   "|---|---|---|---|---|"]
-        by = {(r["design"], r["workers"]): r["images_per_second"] for r in result["cores_sweep"]}
-        one = by.get(("processes", min(w for _, w in by)))
-        for workers in sorted({w for _, w in by}):
-            rate = by.get(("processes", workers))
-            efficiency = f"{rate / (one * workers):.2f}" if rate and one else "n/a"
-            lines.append(f"| {workers} | {by.get(('threads', workers), 0):,.0f} | {rate or 0:,.0f} | "
-                         f"{by.get(('peer', workers), 0):,.0f} | {efficiency} |")
+        for design, bounds in found["bounds"].items():
+            lines.append(f"| {design} | {bounds['per_core']:,.0f} | {_num(bounds['server'])} | "
+                         f"{_num(bounds['one_shard'])} | {_num(bounds['memory'])} |")
+        lines += ["", "Projected images/s (the least of the bounds; only the 2-core column's inputs are measured "
+                  "here):\n", "| cores | " + " | ".join(found["projection"]) + " |",
+                  "|---|" + "---|" * len(found["projection"])]
+        for cores in CORES:
+            lines.append(f"| {cores} | " + " | ".join(f"{p[str(cores)]:,.0f}" for p in found["projection"].values())
+                         + " |")
+    if result["sweep"]:
+        lines += ["", "## Measured by worker count (hpush etl_fqn; 2 shards per worker in flight, or 1)\n",
+                  "| design | workers | shards in flight | images/s | pod cores used | pod CPU ms/image | "
+                  "server GIL share | cores ceiling | images/s over workers x the 1-worker rate |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        base = {(r["design"], r["inflight"] > 1): r["images_per_second"] / r["workers"]
+                for r in sorted(result["sweep"], key=lambda r: -r["workers"])}
+        for row in result["sweep"]:
+            first = base.get((row["design"], row["inflight"] > 1))
+            efficiency = row["images_per_second"] / (first * row["workers"]) if first else None
+            lines.append(f"| {row['design']} | {row['workers']} | {row['inflight']} | "
+                         f"{row['images_per_second']:,.0f} | {row['cores_used']:.2f} | {row['cpu_ms_per_image']:.2f} | "
+                         f"{_pct(row['server_gil_share'])} | {_num(row['ceiling'])} | {_num(efficiency, 2)} |")
     if result["starts"]:
         lines += ["", "## Start (the command to /health = 200)\n", "| service | workers | processes | seconds |",
                   "|---|---|---|---|"]
         for row in result["starts"]:
             processes = "default" if row["processes"] is None else row["processes"]
             lines.append(f"| {row['name']} | {row['workers']} | {processes} | {row['seconds']:.1f} |")
-    if result["projection"]:
-        lines += ["", "## Projection (images/s; the per-core rate measured here on min(cores, ceiling) cores)\n",
-                  "| cores | " + " | ".join(result["projection"]) + " |",
-                  "|---|" + "---|" * len(result["projection"])]
-        for cores in CORES:
-            lines.append(f"| {cores} | " + " | ".join(f"{p[str(cores)]:,.0f}" for p in result["projection"].values())
-                         + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -450,19 +600,19 @@ def plot(result: dict, path: Path) -> None:
     except ImportError:
         return
     figure, axis = plt.subplots(figsize=(7, 4.2))
-    for name, values in result["projection"].items():
-        axis.plot(CORES, [values[str(c)] for c in CORES], marker="o", label=name)
-    for row in result["sweep"]:
-        axis.scatter([row["workers"]], [row["images_per_second"]], color="black", zorder=5, s=12)
-    for row in result["peer"]:
-        axis.scatter([row["workers"]], [row["images_per_second"]], color="black", zorder=5, s=12)
+    for name, values in result["model"]["projection"].items():
+        axis.plot(CORES, [values[str(c)] for c in CORES], marker="o", label=name,
+                  linestyle="--" if "one shard" in name else "-")
+    for case in result["inflight"]:
+        if case["inflight"] == max(c["inflight"] for c in result["inflight"]):
+            axis.scatter([2], [case["images_per_second"]], color="black", zorder=5, s=12)
     axis.set_xscale("log", base=2)
     axis.set_yscale("log")
     axis.set_xticks(CORES, [str(c) for c in CORES])
     axis.set_xlabel("cores given to the pod")
     axis.set_ylabel("images/s (imagenet-train, float32)")
-    axis.set_title("Measured (dots, 1-2 cores) and projected throughput")
-    axis.legend()
+    axis.set_title("Measured on 2 cores (dots) and the model's projection")
+    axis.legend(fontsize=8)
     axis.grid(alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -476,12 +626,22 @@ def _commit() -> str:
         return "unknown"
 
 
+def _cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
 def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
-def _num(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:,.0f}"
+def _num(value: float | None, digits: int = 0) -> str:
+    if value is None:
+        return "n/a"
+    return "unbounded" if value == float("inf") else f"{value:,.{digits}f}"
 
 
 def _frac(value: float | None) -> str:
@@ -492,18 +652,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.scaling", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(REPO_ROOT / "bench" / "results" / "scaling"))
     parser.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "bench-scaling"))
-    parser.add_argument("--seconds", type=float, default=20.0, help="full-load time per case")
-    parser.add_argument("--shards", type=int, default=8)
-    parser.add_argument("--samples", type=int, default=250)
-    parser.add_argument("--photos", type=int, default=12, help="6 MP photos per photo shard (0: none)")
+    parser.add_argument("--seconds", type=float, default=15.0, help="time per case")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the shards-in-flight cases")
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=1000)
+    parser.add_argument("--inflight", type=lambda text: [int(n) for n in text.split(",")], default=[1, 2, 4])
+    parser.add_argument("--comms", type=lambda text: text.split(","), default=list(COMMS))
     parser.add_argument("--no-peer", dest="peer", action="store_false", help="skip the SDK peer")
-    parser.add_argument("--smoke", action="store_true", help="one short case per design, no peer, no plot")
+    parser.add_argument("--smoke", action="store_true", help="short cases, one round, no peer, no plot")
     parser.add_argument("--sweep", type=lambda text: [int(n) for n in text.split(",")], default=[],
                         help="only images/s at these worker counts, both designs and the peer (e.g. 1,2,4,8,16 on "
                              "a 16-core machine)")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.seconds, args.shards, args.samples, args.photos, args.peer = min(args.seconds, 4.0), 2, 40, 0, False
+        args.seconds, args.rounds, args.shards, args.samples, args.peer = min(args.seconds, 3.0), 1, 2, 40, False
+        args.inflight = [1, 2]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if not curl_available():
         print("bench.scaling needs curl (it plays the AIS target)", file=sys.stderr)

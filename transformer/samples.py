@@ -329,7 +329,7 @@ def _encode_image(tensor: torch.Tensor, options: TransformOptions, shard: str, k
     out = _output(tuple(image.shape), torch.float32)
     if out is None:
         return image.to(torch.float32).mul_(scale).add_(shift).numpy()
-    return torch.mul(image, scale, out=out).add_(shift).numpy()  # the same float math, into ``out``
+    return out.copy_(image).mul_(scale).add_(shift).numpy()  # the same float math (``to`` is a copy), into ``out``
 
 
 @lru_cache(maxsize=32)

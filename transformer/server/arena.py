@@ -154,10 +154,18 @@ def attach(fd: int) -> mmap.mmap:
 def lease(arena: mmap.mmap, offset: int, size: int) -> memoryview:
     """The payload of the block at ``offset`` in another worker's arena, released when the last view of it goes."""
     array = np.frombuffer(arena, np.uint8, count=size, offset=offset + HEADER)
-    done = weakref.finalize(array, _release, arena, offset)
-    done.atexit = False
+    # A weak reference whose callback clears the flag (kept until then in _leases): a finalize object
+    # per lease cost several times as much, on the thread that leads the shard.
+    ref = weakref.ref(array, _release)
+    _leases[id(ref)] = (ref, arena, offset)
     return memoryview(array)
 
 
-def _release(arena: mmap.mmap, offset: int) -> None:
-    arena[offset] = 0  # the finalizer holds the map: it is never closed before this
+# Live leases by their reference's id (an array is not hashable): the reference itself, kept alive until its
+# callback, the map (kept open until then) and the block.
+_leases: dict[int, tuple[weakref.ref, mmap.mmap, int]] = {}
+
+
+def _release(ref: weakref.ref) -> None:
+    _, arena, offset = _leases.pop(id(ref))
+    arena[offset] = 0

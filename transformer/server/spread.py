@@ -24,6 +24,7 @@ led. Nothing is sent to a worker whose heartbeat is late (``SUSPECT_SECONDS``).
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import itertools
 import logging
@@ -44,7 +45,7 @@ from ..samples import member_kind, transform_into, transform_sample
 from ..shards import Member, Sample
 from . import arena as arenas
 from .board import Board
-from .ipc import portable, rebuilt, receive_exact, receive_into, send_parts
+from .ipc import portable, rebuilt, receive_into, send_parts
 
 log = logging.getLogger("transformer.server")
 
@@ -65,18 +66,20 @@ class RemoteTask:
                  on_done: Callable[[], None] | None, release: Callable[[], None]):
         self.link, self.sample, self.options, self.shard, self.object_name = link, sample, options, shard, object_name
         self.on_done, self._release = on_done, release
-        self._finished = threading.Event()
+        self._finished = _thread.allocate_lock()  # held until the result (or the error) is in
+        self._finished.acquire()
         self._value: list[Member] | None = None
         self._error: BaseException | None = None
 
     def done(self) -> bool:
-        return self._finished.is_set()
+        return not self._finished.locked()
 
     def cancel(self) -> None:
         """Nothing to skip: the worker runs it, and the result is dropped (its arena blocks freed with it)."""
 
     def result(self) -> list[Member]:
-        self._finished.wait()
+        with self._finished:
+            pass
         if self._error is not None:
             raise self._error
         assert self._value is not None
@@ -86,7 +89,7 @@ class RemoteTask:
         self._value, self._error = value, error
         self.sample = self.options = None  # the input's bytes go now
         self._release()
-        self._finished.set()
+        self._finished.release()
         on_done, self.on_done = self.on_done, None
         if on_done is not None:
             try:
@@ -199,10 +202,24 @@ class Link:
             task = self.sent.pop(ident, None)
         if task is None:
             return
+        try:
+            members = self._members(task, meta, data)
+        except BaseException as exc:  # a result that cannot be read must still end its task, never hang the shard
+            log.exception("shard %s: the result of a sample from transform worker %d could not be read",
+                          task.shard, self.index)
+            task.finish(None, InternalError(f"shard '{task.shard}': a sample's result from transform worker "
+                                            f"{self.index} could not be read: {exc!r}"))
+            return
+        if isinstance(members, BaseException):
+            task.finish(None, members)
+        else:
+            task.finish(members, None)
+
+    def _members(self, task: RemoteTask, meta: bytes, data: bytearray) -> list[Member] | BaseException:
+        """The output members a result describes (their pieces in the worker's arena or in ``data``), or its error."""
         status, body = pickle.loads(meta)
         if status != "ok":
-            task.finish(None, rebuilt(body))
-            return
+            return rebuilt(body)
         view, sample, members = memoryview(data), task.sample, []
         assert sample is not None
         for entry in body:
@@ -222,7 +239,7 @@ class Link:
             for field, value in zip(_TAR_FIELDS, fields):
                 setattr(info, field, value)
             members.append(Member(info=info, pieces=pieces))
-        task.finish(members, None)
+        return members
 
     # ---------------------------------------------------------------- serving: its samples here
 
@@ -311,16 +328,16 @@ class Link:
     # ---------------------------------------------------------------- both
 
     def _read(self) -> None:
-        sock, reason = self.sock, "it closed the link"
+        reader, reason = _Reader(self.sock), "it closed the link"
         try:
             while True:
-                header = receive_exact(sock, HEADER.size)
+                header = reader.take(HEADER.size)
                 if header is None:
                     break
                 kind, ident, meta_size, data_size = HEADER.unpack(header)
-                meta = receive_exact(sock, meta_size)
-                data = bytearray(data_size)
-                if meta is None or not receive_into(sock, memoryview(data)):
+                meta = reader.take(meta_size)
+                data = reader.take_into(bytearray(data_size)) if data_size else bytearray()
+                if meta is None or data is None:
                     break
                 if kind == TASK:
                     self._task(ident, meta, data)
@@ -353,6 +370,46 @@ class Link:
         return sent
 
 
+class _Reader:
+    """A link's incoming bytes, read in large pieces: a message's header and metadata come from one buffer
+    (one system call for many small messages), its data straight into its own buffer when large."""
+
+    _SIZE = 256 * 1024
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self._buffer = bytearray(self._SIZE)
+        self._view = memoryview(self._buffer)
+        self._start = self._end = 0
+
+    def _fill(self) -> bool:
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == self._SIZE:  # a partial message at the end: to the front
+            left = self._end - self._start
+            self._buffer[:left] = self._view[self._start:self._end]
+            self._start, self._end = 0, left
+        got = self.sock.recv_into(self._view[self._end:])
+        self._end += got
+        return got > 0
+
+    def take(self, size: int) -> bytes | None:
+        """The next ``size`` bytes (at most the buffer's size); None at the end of the link."""
+        while self._end - self._start < size:
+            if not self._fill():
+                return None
+        data = bytes(self._view[self._start:self._start + size])
+        self._start += size
+        return data
+
+    def take_into(self, data: bytearray) -> bytearray | None:
+        """Fill ``data``: what the buffer holds first, then straight from the socket."""
+        have = min(len(data), self._end - self._start)
+        data[:have] = self._view[self._start:self._start + have]
+        self._start += have
+        return data if receive_into(self.sock, memoryview(data)[have:]) else None
+
+
 class _Outputs:
     """A sample's output arrays, allocated in this worker's arena as it is transformed (``transform_into``):
     those its result sends are lent to the leader's link, the others freed."""
@@ -375,7 +432,7 @@ class _Outputs:
 
     def used(self, piece) -> int | None:
         """The block ``piece`` lies in, if it is one of ours; it goes with the result."""
-        if not self._blocks:
+        if not self._blocks or not self.arena.fits(len(piece)):
             return None
         offset = self.arena.locate(piece)
         if offset is None or offset not in self._blocks or offset in self._used:
@@ -477,11 +534,15 @@ class SpreadPool:
         return task
 
     def _target(self) -> Link | None:
+        """Where the next sample runs: None (here) while a thread here is free; else the least busy worker when
+        it holds fewer samples per thread than this one and fewer than two (one running, one waiting: its
+        threads never idle between a result and the next sample). A sample sent away costs the messages and
+        wake-ups of two processes: worth it only for a core that would idle."""
         local = self.local
         if local.busy < local.workers:
             return None
         board, now = self.peers.board, time.monotonic()
-        best, best_load = None, local.busy / local.workers
+        best, best_load = None, float("inf")
         for link in self.peers.links():
             if board.age(link.index, now) > SUSPECT_SECONDS:
                 continue
@@ -489,6 +550,8 @@ class SpreadPool:
             load = max(slot.busy, link.outstanding) / max(1, slot.threads)
             if load < best_load:
                 best, best_load = link, load
+        if best is None or best_load >= 2 or best_load >= local.busy / local.workers:
+            return None
         return best
 
     def close(self) -> None:
