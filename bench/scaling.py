@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import platform
 import shutil
 import statistics
@@ -362,16 +363,16 @@ def sweep_cores(args: argparse.Namespace, work: Path, shards: list[data.Shard], 
     largest = max(args.sweep)
     for workers in args.sweep:
         inflight = max(4, 2 * workers)
-        for design, processes in (("threads", 0), ("processes", None)):
+        # The many-core design at every count (one process per 3 threads, at least one), beside the threads.
+        for design, processes in (("threads", 0), ("processes", max(1, math.ceil(workers / 3)))):
             server = service(work, workers, processes, f"sweep-{design}-{workers}", target)
             try:
                 request(server, shards[0], "fqn")
-                count = processes if processes is not None else len(pod_processes(server)) - 2
-                case = drive(server, design, workers, count, shards, "fqn", inflight, args.seconds,
+                case = drive(server, design, workers, processes, shards, "fqn", inflight, args.seconds,
                              spy=workers == largest)
-                rows.append(case.summary())
+                rows.append({**case.summary(), "pss_bytes": memory(pod_processes(server))["pss"]})
                 if design == "processes":
-                    rows.append(drive(server, design, workers, count, shards, "fqn", 1, args.seconds,
+                    rows.append(drive(server, design, workers, processes, shards, "fqn", 1, args.seconds,
                                       spy=workers == largest).summary())
             finally:
                 server.stop()
@@ -572,16 +573,18 @@ def markdown(result: dict) -> str:
     if result["sweep"]:
         lines += ["", "## Measured by worker count (hpush etl_fqn; 2 shards per worker in flight, or 1)\n",
                   "| design | workers | shards in flight | images/s | pod cores used | pod CPU ms/image | "
-                  "server GIL share | cores ceiling | images/s over workers x the 1-worker rate |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "pod PSS MiB | server GIL share | cores ceiling | images/s over workers x the 1-worker rate |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         base = {(r["design"], r["inflight"] > 1): r["images_per_second"] / r["workers"]
                 for r in sorted(result["sweep"], key=lambda r: -r["workers"])}
         for row in result["sweep"]:
             first = base.get((row["design"], row["inflight"] > 1))
             efficiency = row["images_per_second"] / (first * row["workers"]) if first else None
+            pss = row.get("pss_bytes")
             lines.append(f"| {row['design']} | {row['workers']} | {row['inflight']} | "
                          f"{row['images_per_second']:,.0f} | {row['cores_used']:.2f} | {row['cpu_ms_per_image']:.2f} | "
-                         f"{_pct(row['server_gil_share'])} | {_num(row['ceiling'])} | {_num(efficiency, 2)} |")
+                         f"{_num(pss / 2**20 if pss else None)} | {_pct(row['server_gil_share'])} | "
+                         f"{_num(row['ceiling'])} | {_num(efficiency, 2)} |")
     if result["starts"]:
         lines += ["", "## Start (the command to /health = 200)\n", "| service | workers | processes | seconds |",
                   "|---|---|---|---|"]
@@ -665,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
                              "a 16-core machine)")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.seconds, args.rounds, args.shards, args.samples, args.peer = min(args.seconds, 3.0), 1, 2, 40, False
+        args.seconds, args.rounds, args.shards, args.samples, args.peer = min(args.seconds, 2.0), 1, 2, 40, False
         args.inflight = [1, 2]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if not curl_available():

@@ -10,13 +10,14 @@ import json
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
-from testbed.fake_ais import AisDisk
-from testbed.service import Service
+from testbed.fake_ais import AisDisk, FakeTarget
+from testbed.service import Service, start_transformer
 from testbed.shardgen import imagenet_like_members, make_tar
 from transformer.config import Settings
 from transformer.engine import transform_shard
@@ -24,8 +25,10 @@ from transformer.errors import ShardError
 from transformer.integrity import ShardCheck
 from transformer.options import parse_etl_args
 from transformer.pool import TransformPool
+from transformer.server.spread import SUSPECT_SECONDS
 from transformer.shards import read_samples
 
+from .conftest import transformer_env
 from .harness import escaped_uname, fqn_query
 from .test_ws import REPLY_TIMEOUT, control, request, ws_session
 
@@ -184,3 +187,34 @@ def _ws_message(events) -> bytes:
         if event.message_finished:
             return bytes(message)
     raise AssertionError("the connection ended before the message")
+
+
+def test_a_stopped_worker_is_replaced_within_etl_worker_timeout_and_shards_keep_coming_back_whole(
+        target: FakeTarget, disk: AisDisk, logs: Path) -> None:
+    """ETL_WORKER_TIMEOUT as the pod reads it: a worker stopped (SIGSTOP) is, once silent for 2 s, given nothing new,
+    then killed and replaced within the bound; shards sent meanwhile and afterwards come back whole."""
+    service = start_transformer("transformer-stall-3s", logs, transformer_env(target, disk, ETL_WORKER_TIMEOUT="3s"))
+    try:
+        client = httpx.Client(base_url=service.url, timeout=REPLY_TIMEOUT)
+        fqn = disk.put("train", "after-stop.tar", make_tar(imagenet_like_members(12)))
+        victim = _workers(service)[0]
+        victim.suspend()
+        stopped = time.monotonic()
+        time.sleep(SUSPECT_SECONDS + 0.5)
+        while victim.is_running() and victim.status() != psutil.STATUS_ZOMBIE:
+            response = client.put(f"/train/after-stop.tar?{fqn_query(fqn)}", content=b"")
+            assert response.status_code == 200, response.text
+            assert _marker("after-stop.tar", response.content)["samples_out"] == 12
+            assert time.monotonic() - stopped < 3 + 5, "the stopped worker was not killed within its bound"
+        log = _wait_for(service, f"(pid {victim.pid}) stopped answering for")
+        assert "starting a new one" in log
+        deadline = time.monotonic() + 30
+        while len(_workers(service)) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        response = client.put(f"/train/after-stop.tar?{fqn_query(fqn)}", content=b"")
+        assert _marker("after-stop.tar", response.content)["samples_out"] == 12
+        assert "etl_worker_restarts_total 1.0" in client.get("/metrics").text
+        client.close()
+    finally:
+        service.stop()

@@ -163,6 +163,20 @@ def test_the_samples_of_a_killed_helper_run_again_in_their_leader(processes: Sha
     assert processes.restarts == restarts + 1
 
 
+def test_a_killed_fork_server_is_started_again_for_the_next_worker(processes: ShardProcesses) -> None:
+    import multiprocessing.forkserver
+
+    server = multiprocessing.forkserver._forkserver._forkserver_pid
+    assert server is not None
+    os.kill(server, signal.SIGKILL)
+    victim = processes.pids()[0]
+    os.kill(victim, signal.SIGKILL)  # its replacement needs a fork server
+    _wait_for_workers(processes, 2, gone=victim)
+    assert multiprocessing.forkserver._forkserver._forkserver_pid not in (None, server)
+    data = make_tar(imagenet_like_members(6))
+    assert b"".join(_remote(processes, io.BytesIO(data))) == _in_process(data, threads=2)
+
+
 def test_the_defaults_spread_threads_over_processes_from_5_workers() -> None:
     assert [processes_for(n) for n in (1, 2, 4, 5, 6, 7, 16, 64)] == [0, 0, 0, 2, 2, 3, 6, 22]
     two = _settings()

@@ -311,7 +311,9 @@ class ShardProcesses:
                 running = [w for w in self._workers if w is not None and not w.dead.is_set() and w.killed is None
                            and self.board.age(w.index, now) <= SUSPECT_SECONDS]
                 if running:
-                    worker = min(running, key=lambda w: (self._leading(w), self.board.slots[w.index].busy))
+                    # A heartbeat over a second old (two missed) may be the start of a stop: others first.
+                    worker = min(running, key=lambda w: (self.board.age(w.index, now) > 1.0, self._leading(w),
+                                                         self.board.slots[w.index].busy))
                     worker.sent += 1
                     return worker
                 if cancel.is_set():
