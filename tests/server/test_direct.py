@@ -350,3 +350,48 @@ def test_an_http_frame_cut_short_stays_cut() -> None:
     assert sender.take_tail() == b""
     sender.close()
     assert not transport.written
+
+
+# --- a ws frame a worker left cut: the frame log and the bytes a socket was given -------------------------
+
+
+def test_the_frame_log_completes_exactly_the_frame_cut_at_any_byte() -> None:
+    log = direct.FrameLog()
+    frames, written = [], 0
+    for size in (10, 70_000, 3, 200, 5):  # every header length: 2, 4 (and 10 below) bytes
+        header, _ = direct.ws_continuation_frame(size)
+        written += len(header) + size
+        log.record(written, header)
+        frames.append((written - len(header) - size, header, written))
+    for start, header, end in frames[-2:]:  # the writer keeps at most two frames unfinished
+        for cut in range(start, end + 1):
+            rest = log.rest(cut)
+            if cut in (start, end):
+                assert rest == b""  # at a frame boundary
+            else:
+                into = cut - start
+                assert rest == header[into:] + b"\xff" * (end - max(cut, start + len(header)))
+                assert cut + len(rest) == end
+    assert log.rest(frames[0][2] - 1) is None  # before the oldest boundary kept: cannot tell
+    log.close()
+
+
+def test_bytes_written_counts_what_a_tcp_socket_was_given_read_or_not() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname())
+        peer, _ = server.accept()
+        with client, peer:
+            assert direct.bytes_written(peer) == 0
+            peer.setblocking(False)
+            given = 0
+            try:
+                while given < 8 << 20:
+                    given += peer.send(b"x" * 65536)
+            except BlockingIOError:
+                pass
+            assert direct.bytes_written(peer) == given  # nothing read yet: all of it queued
+            client.recv(100_000)
+            assert direct.bytes_written(peer) == given
+    a, b = socket.socketpair()
+    with a, b:
+        assert direct.bytes_written(a) is None  # not TCP
