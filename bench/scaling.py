@@ -342,6 +342,9 @@ def run(args: argparse.Namespace) -> dict:
         finally:
             for server in servers.values():
                 server.stop()
+        spec = None
+        if args.spec_workers:
+            spec = spec_memory(args, work, shards, target)
         peer = []
         if args.peer:
             for workers in (1, 2):
@@ -351,9 +354,23 @@ def run(args: argparse.Namespace) -> dict:
                 finally:
                     server.stop()
         return report(args, inflight=inflight, comms=comms, one=one, peer=peer,
-                      memory={"idle": idle, "load": loaded}, bandwidth=bandwidth())
+                      memory={"idle": idle, "load": loaded, "spec": spec}, bandwidth=bandwidth())
     finally:
         target.stop()
+
+
+def spec_memory(args: argparse.Namespace, work: Path, shards: list[data.Shard], target: FileTarget) -> dict:
+    """The pod as the shipped runtime spec sizes it (``ETL_WORKERS=--spec-workers``, its default processes): its
+    PSS idle and with as many shards in flight as workers (here on fewer cores: memory, not speed)."""
+    server = service(work, args.spec_workers, None, f"spec-{args.spec_workers}", target)
+    try:
+        request(server, shards[0], "fqn")
+        idle = memory(pod_processes(server))
+        case = drive(server, "spec", args.spec_workers, -1, shards, "fqn", args.spec_workers, args.seconds)
+        return {"workers": args.spec_workers, "processes": len(pod_processes(server)) - 2, "idle": idle,
+                "load": memory(pod_processes(server)), "images": case.images}
+    finally:
+        server.stop()
 
 
 def sweep_cores(args: argparse.Namespace, work: Path, shards: list[data.Shard], target: FileTarget) -> list[dict]:
@@ -540,8 +557,13 @@ def markdown(result: dict) -> str:
         lines += ["", "## Memory (MiB; USS: a process's own pages; PSS: the pod's share of all it maps)\n",
                   "| design | when | pod PSS | server USS | fork server USS | USS per worker |",
                   "|---|---|---|---|---|---|"]
+        spec = memory_.get("spec")
+        rows = {when: dict(memory_.get(when, {})) for when in ("idle", "load")}
+        if spec:
+            for when in ("idle", "load"):
+                rows[when][f"the spec's pod ({spec['workers']} workers, {spec['processes']} processes)"] = spec[when]
         for when in ("idle", "load"):
-            for design, found in memory_.get(when, {}).items():
+            for design, found in rows[when].items():
                 uss = found["uss"]
                 workers = uss.get("worker", [])
                 lines.append(f"| {design} | {'idle' if when == 'idle' else 'full load'} | "
@@ -662,6 +684,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inflight", type=lambda text: [int(n) for n in text.split(",")], default=[1, 2, 4])
     parser.add_argument("--comms", type=lambda text: text.split(","), default=list(COMMS))
     parser.add_argument("--no-peer", dest="peer", action="store_false", help="skip the SDK peer")
+    parser.add_argument("--spec-workers", type=int, default=8, help="the memory of the pod the shipped runtime "
+                        "spec sizes (k8s/etl-spec.yaml: its CPUs); 0: skip")
     parser.add_argument("--smoke", action="store_true", help="short cases, one round, no peer, no plot")
     parser.add_argument("--sweep", type=lambda text: [int(n) for n in text.split(",")], default=[],
                         help="only images/s at these worker counts, both designs and the peer (e.g. 1,2,4,8,16 on "
@@ -669,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.smoke:
         args.seconds, args.rounds, args.shards, args.samples, args.peer = min(args.seconds, 2.0), 1, 2, 40, False
-        args.inflight = [1, 2]
+        args.inflight, args.spec_workers = [1, 2], 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if not curl_available():
         print("bench.scaling needs curl (it plays the AIS target)", file=sys.stderr)

@@ -86,6 +86,19 @@ def test_a_sample_error_crosses_with_its_shard_key_and_member(processes: ShardPr
     assert b"__etl__/errors.json" in output and report.errors[0]["key"] == "sample-000001"
 
 
+@pytest.mark.parametrize("policy", ["skip", "passthrough"])
+def test_every_error_policy_gives_the_threads_bytes_with_bad_samples_in_both_workers(processes: ShardProcesses,
+                                                                                    policy: str) -> None:
+    members = imagenet_like_members(30, extra=False)
+    for index in range(0, 30, 3):  # every third sample's image cannot be decoded, wherever it runs
+        members[2 * index] = (members[2 * index][0], b"not a jpeg")
+    data = make_tar(members)
+    args = f'{{"preset": "imagenet-train", "seed": 5, "on_error": "{policy}"}}'
+    report = ShardReport("b/shard.tar", "b/shard.tar", policy)
+    assert b"".join(_remote(processes, io.BytesIO(data), args, report=report)) == _in_process(data, 2, args)
+    assert [error["key"] for error in report.errors] == [f"sample-{i:06d}" for i in range(0, 30, 3)]
+
+
 def test_a_cut_tar_is_a_shard_error_and_a_failing_input_raises_its_own(processes: ShardProcesses) -> None:
     data = make_tar(imagenet_like_members(4))
     with pytest.raises(ShardError, match="b/shard.tar"):
