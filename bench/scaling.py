@@ -294,17 +294,21 @@ def service(work: Path, workers: int, processes: int | None, name: str, target: 
     return server
 
 
-def bandwidth(megabytes: int = 512, passes: int = 3) -> float:
-    """Bytes per second numpy copies one large array into another (best of ``passes``): the memory's bandwidth."""
+def bandwidth(threads: int = 1, megabytes: int = 256, passes: int = 3) -> float:
+    """Bytes per second that ``threads`` threads copying large arrays at once move (best of ``passes``): the
+    memory bandwidth one core gets, or all of them (numpy copies without holding the GIL)."""
     import numpy as np
 
-    source = np.ones(megabytes << 20, np.uint8)
-    target = np.empty_like(source)
+    pairs = [(np.ones(megabytes << 20, np.uint8), np.zeros(megabytes << 20, np.uint8)) for _ in range(threads)]
     best = 0.0
     for _ in range(passes + 1):
+        workers = [threading.Thread(target=np.copyto, args=(target, source)) for source, target in pairs]
         start = time.perf_counter()
-        np.copyto(target, source)
-        best = max(best, source.nbytes / (time.perf_counter() - start))
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        best = max(best, threads * (megabytes << 20) / (time.perf_counter() - start))
     return best
 
 
@@ -354,7 +358,9 @@ def run(args: argparse.Namespace) -> dict:
                 finally:
                     server.stop()
         return report(args, inflight=inflight, comms=comms, one=one, peer=peer,
-                      memory={"idle": idle, "load": loaded, "spec": spec}, bandwidth=bandwidth())
+                      memory={"idle": idle, "load": loaded, "spec": spec},
+                      bandwidth={"core": bandwidth(1), "machine": bandwidth(psutil.cpu_count() or 1),
+                                 "node": args.node_bandwidth * 1e9})
     finally:
         target.stop()
 
@@ -405,18 +411,23 @@ def sweep_cores(args: argparse.Namespace, work: Path, shards: list[data.Shard], 
 # ---------------------------------------------------------------------------------------------- the model
 
 
-def model(inflight: list[Case], comms: list[Case], one: Case | None, peer: list[Case], bandwidth: float,
+def model(inflight: list[Case], comms: list[Case], one: Case | None, peer: list[Case], bandwidth: dict,
           image_bytes: float) -> dict:
     """Each design's images/s on more cores: the least of its bounds, with what each bound rests on.
 
     * cores: the pod's CPU per image at full load, on every core (measured per core here);
     * the server process: images/s when its GIL is always held (the lowest over the comm types);
     * one shard: images/s when the leading worker's work outside the transforms is always holding its GIL;
-    * memory: the machine's bandwidth over the bytes an image moves through memory (an estimate).
+    * memory: the bandwidth ``cores`` cores get (one core's, measured, times the cores, up to the node's,
+      ``bandwidth["node"]``, an assumption) over the bytes an image moves through memory (an estimate).
     """
     result: dict = {"bounds": {}, "projection": {}}
     traffic = _bytes_moved(image_bytes)
-    memory_bound = bandwidth / traffic if bandwidth else None
+
+    def memory_bound(cores: int) -> float | None:
+        if not bandwidth.get("core"):
+            return None
+        return min(cores * bandwidth["core"], bandwidth.get("node") or float("inf")) / traffic
     for design in DESIGNS:
         full = [c for c in inflight if c.design == design and c.inflight == max(x.inflight for x in inflight)]
         if not full:
@@ -427,10 +438,11 @@ def model(inflight: list[Case], comms: list[Case], one: Case | None, peer: list[
         shard = None
         if design == "processes" and one is not None and one.spread_gil_ms_per_image:
             shard = 1000 / one.spread_gil_ms_per_image
-        result["bounds"][design] = {"per_core": rate, "server": server, "one_shard": shard, "memory": memory_bound}
+        result["bounds"][design] = {"per_core": rate, "server": server, "one_shard": shard,
+                                    "memory": memory_bound(max(CORES))}
         all_shards, one_shard = {}, {}
         for cores in CORES:
-            bounds = [cores * rate] + [b for b in (server, memory_bound) if b]
+            bounds = [cores * rate] + [b for b in (server, memory_bound(cores)) if b]
             all_shards[str(cores)] = min(bounds)
             one_shard[str(cores)] = min(bounds + ([shard] if shard else []))
         result["projection"][design] = all_shards
@@ -438,9 +450,9 @@ def model(inflight: list[Case], comms: list[Case], one: Case | None, peer: list[
             result["projection"]["processes, one shard"] = one_shard
     if peer:  # one process per core, no shared GIL: its per-core rate on every core
         rate = max(1000 / c.cpu_ms_per_image for c in peer if c.cpu_ms_per_image)
-        result["bounds"]["peer"] = {"per_core": rate, "server": None, "one_shard": None, "memory": memory_bound}
-        result["projection"]["peer"] = {str(c): min([c * rate] + ([memory_bound] if memory_bound else []))
-                                        for c in CORES}
+        result["bounds"]["peer"] = {"per_core": rate, "server": None, "one_shard": None,
+                                    "memory": memory_bound(max(CORES))}
+        result["projection"]["peer"] = {str(c): min([c * rate] + [b for b in (memory_bound(c),) if b]) for c in CORES}
     result["memory"] = {"bandwidth": bandwidth, "bytes_per_image": traffic}
     return result
 
@@ -457,7 +469,7 @@ def _bytes_moved(image_bytes: float) -> float:
 
 def report(args: argparse.Namespace, inflight: list[Case] | None = None, comms: list[Case] | None = None,
            one: Case | None = None, peer: list[Case] | None = None, memory: dict | None = None,
-           bandwidth: float = 0.0, sweep: list[dict] | None = None) -> dict:
+           bandwidth: dict | None = None, sweep: list[dict] | None = None) -> dict:
     inflight, comms, peer = inflight or [], comms or [], peer or []
     image_bytes = 0.0
     if not args.sweep:
@@ -481,7 +493,7 @@ def report(args: argparse.Namespace, inflight: list[Case] | None = None, comms: 
         "sweep": sweep or [],
     }
     if inflight:
-        result["model"] = model(inflight, comms, one, peer, bandwidth, image_bytes)
+        result["model"] = model(inflight, comms, one, peer, bandwidth or {}, image_bytes)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "scaling.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -578,10 +590,14 @@ def markdown(result: dict) -> str:
                          f"{case['cpu_ms_per_image']:.2f} |")
     if result.get("model"):
         found = result["model"]
+        bandwidth = found["memory"]["bandwidth"]
         lines += ["", "## The model\n",
-                  f"Memory bandwidth {found['memory']['bandwidth'] / 1e9:.1f} GB/s (numpy copy, measured); an image "
-                  f"moves about {found['memory']['bytes_per_image'] / 1e6:.1f} MB through memory (an estimate).\n",
-                  "| design | images/s per core (measured) | server process bound | one-shard bound | memory bound |",
+                  f"Memory bandwidth (numpy copies, measured): {bandwidth.get('core', 0) / 1e9:.1f} GB/s for one core, "
+                  f"{bandwidth.get('machine', 0) / 1e9:.1f} GB/s for all {machine['cpus']}; a node's taken as "
+                  f"{bandwidth.get('node', 0) / 1e9:.0f} GB/s (an assumption, --node-bandwidth). An image moves about "
+                  f"{found['memory']['bytes_per_image'] / 1e6:.1f} MB through memory (an estimate).\n",
+                  "| design | images/s per core (measured) | server process bound | one-shard bound | "
+                  f"memory bound at {CORES[-1]} cores |",
                   "|---|---|---|---|---|"]
         for design, bounds in found["bounds"].items():
             lines.append(f"| {design} | {bounds['per_core']:,.0f} | {_num(bounds['server'])} | "
@@ -684,6 +700,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inflight", type=lambda text: [int(n) for n in text.split(",")], default=[1, 2, 4])
     parser.add_argument("--comms", type=lambda text: text.split(","), default=list(COMMS))
     parser.add_argument("--no-peer", dest="peer", action="store_false", help="skip the SDK peer")
+    parser.add_argument("--node-bandwidth", type=float, default=200.0, help="a storage node's memory bandwidth in "
+                        "GB/s, for the model (default: one socket of 8 DDR4-3200 channels, 204.8 GB/s)")
     parser.add_argument("--spec-workers", type=int, default=8, help="the memory of the pod the shipped runtime "
                         "spec sizes (k8s/etl-spec.yaml: its CPUs); 0: skip")
     parser.add_argument("--smoke", action="store_true", help="short cases, one round, no peer, no plot")

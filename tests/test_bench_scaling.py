@@ -36,17 +36,18 @@ def test_the_model_takes_the_least_of_the_bounds() -> None:
     comms = [_case("threads", 0.32), _case("processes", 0.01, cores=1.7), _case("processes", 0.02, cores=1.7,
                                                                                 comm="body")]
     one = _case("processes", 0.01, inflight=1, spread=0.1)
-    found = scaling.model(inflight, comms, one, [], bandwidth=200e9, image_bytes=100_000)
+    found = scaling.model(inflight, comms, one, [], bandwidth={"core": 10e9, "node": 200e9}, image_bytes=100_000)
     threads, processes = found["bounds"]["threads"], found["bounds"]["processes"]
     assert threads["per_core"] == pytest.approx(500.0)  # 2 ms of pod CPU per image
     assert threads["server"] == pytest.approx(1.6 / 0.32 * 500.0)  # 5 cores' worth
     assert processes["server"] == pytest.approx(1.7 / 0.02 * processes["per_core"])  # the worst comm type
     assert processes["one_shard"] == pytest.approx(1000 / one.spread_gil_ms_per_image)
-    memory = 200e9 / scaling._bytes_moved(100_000)
-    assert processes["memory"] == pytest.approx(memory)
+    traffic = scaling._bytes_moved(100_000)
+    assert processes["memory"] == pytest.approx(200e9 / traffic)  # at 64 cores, the node's bandwidth
     projection = found["projection"]
     assert projection["threads"]["2"] == pytest.approx(1000.0) and projection["threads"]["64"] == pytest.approx(2500.0)
     for cores in scaling.CORES:
+        memory = min(cores * 10e9, 200e9) / traffic  # each core's bandwidth, up to the node's
         expected = min(cores * processes["per_core"], processes["server"], memory)
         assert projection["processes"][str(cores)] == pytest.approx(expected)
         assert projection["processes, one shard"][str(cores)] == pytest.approx(min(expected, processes["one_shard"]))
