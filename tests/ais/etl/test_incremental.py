@@ -129,7 +129,7 @@ def test_a_settings_change_right_after_a_run_redoes_every_copy(etl_client, how: 
         assert sync("float32").verified == len(shards)
         etl_client.bucket(source).object(shards[0]).get_writer().put_content(shard_bytes(50, 2))
         assert sync("float32").changes.changed == (shards[0],)  # a list job: it idles on after the run
-        for dtype in ("uint8", "float16"):  # smaller copies each time: a listing older than a copy would not fit
+        for dtype in ("uint8", "float16"):  # a smaller copy, then a bigger one: an older listing never fits both
             if how == "unregister":
                 unregister(etl_client, name)
                 register(etl_client, name, settings("hpush", dtype=dtype))
