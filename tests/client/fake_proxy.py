@@ -1,7 +1,8 @@
 """A fake AIS proxy (and target) over HTTP on 127.0.0.1, checking every request against the contract.
 
 It answers what the client uses, as AIS 5.0 does (ais/prxetl.go: ETL init/list/view/stop/
-start/delete, bucket create/list, object PUT/GET with ``etl_name``), plus dSort (``POST /v1/sort``,
+start/delete, bucket create/list, object PUT/GET with ``etl_name``, range GETs with the object's
+checksum and version, multi-object delete), plus dSort (``POST /v1/sort``,
 ``GET /v1/sort?uuid=``, checked against the spec fields of ``ais start dsort`` and the SDK's
 ``DsortFramework``; input names and missing inputs handled as aisnode v1.5.0 does). Every request
 is recorded; every deviation from the contract (method, path, query, JSON body) is appended to
@@ -11,7 +12,9 @@ is recorded; every deviation from the contract (method, path, query, JSON body) 
 Offline transforms (bucket-to-bucket ``etl-bck``, multi-object ``etl-listrange``) and ETL downloads
 (``/v1/download``) run to their end before the start request is answered. ``drops`` and ``cuts`` make
 the target lose an object's output without recording an error, as AIS does on some paths (a ``ws``
-direct put that fails on some runs; a ``ws`` reply stored cut on the same target).
+direct put that fails on some runs; a ``ws`` reply stored cut on the same target). ``flagged_pages``
+flags every listing page as taken during a rebalance (ais/tgtbck.go), and ``running`` adds jobs to
+those AIS lists as running (a rebalance, say).
 
 Objects live in an AIS mountpath layout (``<mountpath>/@ais/<bucket>/%ob/<object>``). An object GET
 with ``etl_name`` of an ``hpull://`` ETL is redirected, like a target does, to

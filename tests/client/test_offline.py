@@ -15,6 +15,7 @@ import pytest
 from testbed.shardgen import read_output
 from tests.httpserve import StaticServer
 from transformer.client import (
+    ClientError,
     EtlSettings,
     IncompleteCopy,
     OfflineOptionsMismatch,
@@ -309,3 +310,19 @@ def test_download_proves_its_bucket_whole(val_proxy: FakeProxy, origin: str) -> 
     assert error.missing == ["train-1.tar"] and list(error.cut) == ["train-2.tar"]
     assert f"train-1.tar (from {origin}/train-1.tar)" in str(error)
     assert "it reports the download as finished" in str(error) and error.job.verified == 1
+
+
+def test_a_list_handed_to_a_job_being_aborted_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AIS may hand a new list to the job it is aborting (the same id comes back, already ended): the list is sent
+    again once that job is gone, never waited on."""
+    from transformer.client import offline
+
+    waited: list[str] = []
+    monkeypatch.setattr(offline, "_abort_stale_list_jobs", lambda *args: {"tco-old"})
+    monkeypatch.setattr(offline, "_wait_gone", lambda client, job_id: waited.append(job_id))
+    answers = iter(["tco-old", "tco-old", "tco-new"])
+    assert offline._start_list_job(None, "wds-etl-val", "src", "dst", lambda: next(answers)) == "tco-new"
+    assert waited == ["tco-old", "tco-old"]
+    with pytest.raises(ClientError, match="AIS gave the list to job tco-old, aborted because it started before ETL "
+                                          "'wds-etl-val' was last started, 4 times"):
+        offline._start_list_job(None, "wds-etl-val", "src", "dst", lambda: "tco-old")
