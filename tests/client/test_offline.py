@@ -318,7 +318,7 @@ def test_a_list_handed_to_a_job_being_aborted_is_sent_again(monkeypatch: pytest.
     from transformer.client import offline
 
     waited: list[str] = []
-    monkeypatch.setattr(offline, "_abort_stale_list_jobs", lambda *args: {"tco-old"})
+    monkeypatch.setattr(offline, "_end_stale_list_jobs", lambda *args: {"tco-old"})
     monkeypatch.setattr(offline, "_wait_gone", lambda client, job_id: waited.append(job_id))
     answers = iter(["tco-old", "tco-old", "tco-new"])
     assert offline._start_list_job(None, "wds-etl-val", "src", "dst", lambda: next(answers)) == "tco-new"
@@ -326,3 +326,28 @@ def test_a_list_handed_to_a_job_being_aborted_is_sent_again(monkeypatch: pytest.
     with pytest.raises(ClientError, match="AIS gave the list to job tco-old, aborted because it started before ETL "
                                           "'wds-etl-val' was last started, 4 times"):
         offline._start_list_job(None, "wds-etl-val", "src", "dst", lambda: "tco-old")
+
+
+def test_a_list_job_from_before_the_etls_start_is_waited_out_and_aborted_only_when_busy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformer.client import offline
+
+    class Jobs:
+        def __init__(self, job_id: str, job_kind: str = ""):
+            self.job_id = job_id
+
+        def abort(self) -> None:
+            aborted.append(self.job_id)
+
+    class Client:
+        job = Jobs
+
+    aborted: list[str] = []
+    monkeypatch.setattr(offline.time, "sleep", lambda seconds: None)
+    monkeypatch.setattr(offline, "_wait_gone", lambda client, job_id: None)
+    answers = iter([{"tco-old"}, {"tco-old"}, set()])  # idle, it ends by itself on the third look
+    monkeypatch.setattr(offline, "_stale_list_jobs", lambda *args: next(answers))
+    assert offline._end_stale_list_jobs(Client(), "wds-etl-val", "src", "dst") == set() and aborted == []
+    monkeypatch.setattr(offline, "_stale_list_jobs", lambda *args: {"tco-busy"})  # never ends: aborted at last
+    assert offline._end_stale_list_jobs(Client(), "wds-etl-val", "src", "dst", patience=0.0) == {"tco-busy"}
+    assert aborted == ["tco-busy"]

@@ -389,11 +389,13 @@ def _start_list_job(client: Client, etl_name: str, source: str, destination: str
     """Start a multi-object job with ``start`` once no job from before the ETL's current start can take its list.
 
     AIS hands a list to a running multi-object job between the same buckets, and such a job keeps calling the
-    pods it started with, gone once the ETL was re-registered. Those are aborted first; AIS 5.0 may still hand
-    the list to one of them while it winds down (the same job id comes back, already ended, and waiting on it
-    returns at once while its targets go on writing). Then the job is waited out and the list sent again.
+    pods it started with, gone once the ETL was re-registered. One that idles is waited out: AIS ends it by
+    itself (115 s after its last list, measured). Aborting it instead lets AIS 5.0 hand the list to the job it
+    is winding down (the same id comes back, already ended, while its targets may still write), and a job sent
+    right after may never report idle; so a busy one is aborted only after ``STALE_JOB_WAIT``, and a list that
+    comes back with an aborted job's id is sent again once that job is gone.
     """
-    aborted = _abort_stale_list_jobs(client, etl_name, source, destination)
+    aborted = _end_stale_list_jobs(client, etl_name, source, destination)
     for _ in range(_JOIN_TRIES):
         job_id = start()
         if job_id not in aborted:
@@ -407,13 +409,37 @@ def _start_list_job(client: Client, etl_name: str, source: str, destination: str
 
 
 _JOIN_TRIES = 4
+STALE_JOB_WAIT = 300.0  # seconds a job from before the ETL's start is left to end by itself before it is aborted
 
 
-def _abort_stale_list_jobs(client: Client, etl_name: str, source: str, destination: str) -> set[str]:
-    """Abort the multi-object jobs of ais://``source`` -> ais://``destination`` still running from before the ETL's
-    current start, and wait until each has ended on every target; the ids aborted. AIS adds a new list to such a
-    running job, and it keeps calling the pods it started with, which are gone once the ETL was re-registered:
-    every object would fail, after minutes of retries."""
+def _end_stale_list_jobs(client: Client, etl_name: str, source: str, destination: str,
+                         patience: float = STALE_JOB_WAIT) -> set[str]:
+    """Wait until no multi-object job of ais://``source`` -> ais://``destination`` from before the ETL's current
+    start runs (each ends by itself once idle); abort one still running after ``patience`` seconds, and wait until
+    it has ended on every target. Returns the ids aborted."""
+    stale = _stale_list_jobs(client, etl_name, source, destination)
+    if stale:
+        log.warning("offline transform: waiting for job(s) %s (ais://%s -> ais://%s) to end: started before ETL %s "
+                    "was last started, they would call its old pods, and AIS would hand them the new list (an idle "
+                    "one ends by itself within about two minutes)", ", ".join(sorted(stale)), source, destination,
+                    etl_name)
+    deadline = time.monotonic() + patience
+    while stale and time.monotonic() < deadline:
+        time.sleep(2.0)
+        stale = _stale_list_jobs(client, etl_name, source, destination)
+    aborted = set()
+    for job_id in stale:
+        log.warning("offline transform: aborting job %s (ais://%s -> ais://%s): still running %.0f s on, and it "
+                    "would call the old pods of ETL %s", job_id, source, destination, patience, etl_name)
+        client.job(job_id, job_kind=LIST_JOB_KIND).abort()
+        _wait_gone(client, job_id)
+        aborted.add(job_id)
+    return aborted
+
+
+def _stale_list_jobs(client: Client, etl_name: str, source: str, destination: str) -> set[str]:
+    """The running multi-object jobs of ais://``source`` -> ais://``destination`` that started before the ETL's
+    current start."""
     running = client.cluster().list_running_jobs(job_kind=LIST_JOB_KIND)
     if not running:
         return set()
@@ -421,20 +447,16 @@ def _abort_stale_list_jobs(client: Client, etl_name: str, source: str, destinati
     if not current:
         return set()
     etl_started = _started(client.job(current[0]).get_details().list_snapshots())
-    aborted = set()
+    stale = set()
     for entry in running:
         job_id = entry[entry.find("[") + 1:].rstrip("]")
         snaps = [snap for snap in client.job(job_id, job_kind=LIST_JOB_KIND).get_details().list_snapshots()
-                 if not snap.aborted and snap.source_bck and snap.destination_bck
+                 if not snap.aborted and not _ended(snap.end_time) and snap.source_bck and snap.destination_bck
                  and snap.source_bck.name == source and snap.destination_bck.name == destination]
         started = _started(snaps)
         if etl_started is not None and started is not None and started < etl_started:
-            log.warning("offline transform: aborting job %s (ais://%s -> ais://%s): it started before ETL %s was "
-                        "last started, and would call its old pods", job_id, source, destination, etl_name)
-            client.job(job_id, job_kind=LIST_JOB_KIND).abort()
-            _wait_gone(client, job_id)
-            aborted.add(job_id)
-    return aborted
+            stale.add(job_id)
+    return stale
 
 
 def _wait_gone(client: Client, job_id: str, timeout: float = 120.0) -> None:

@@ -110,9 +110,10 @@ def test_only_what_changed_is_transformed_again(etl_client, etl_cluster, increme
 
 @pytest.mark.parametrize("how", ["unregister", "replace"])
 def test_a_settings_change_right_after_a_run_redoes_every_copy(etl_client, how: str) -> None:
-    """Re-registered with another dtype while the last run's list job still idles (AIS keeps one for about a
-    minute and a half and hands it the next list between the same buckets): every copy is redone and proven,
-    and a partial change right after goes through a list job of the new pods."""
+    """Re-registered with another dtype at once after a run whose list job still idles (AIS keeps one for up to
+    about two minutes and hands it the next list between the same buckets), twice: every copy is redone (one
+    bucket-to-bucket job) and proven. With unregister and register, a partial change right after the first
+    re-registration goes through a list job of the new pods, once the old one has ended."""
     source, destination, name = f"set-{how}-src", f"set-{how}-dst", f"etl-settings-{how}"
     shards = [f"s-{i:03d}.tar" for i in range(8)]
     put_shards(etl_client, source, shards, samples=2)
@@ -136,13 +137,15 @@ def test_a_settings_change_right_after_a_run_redoes_every_copy(etl_client, how: 
             else:
                 register(etl_client, name, settings("hpush", dtype=dtype), replace=True)
             redone = sync(dtype)
+            assert redone.kind == "etl-bck" and redone.changes.probe == "asked"
             assert sorted(redone.changes.restyled) == shards and redone.verified == len(shards), redone.changes
-            assert not redone.object_errors and len(markers()) == 1
+            assert not redone.object_errors and markers() == {redone.changes.settings}
             assert sync(dtype).job_id == ""  # up to date at once
-            etl_client.bucket(source).object(shards[1]).get_writer().put_content(shard_bytes(60 + len(dtype), 2))
-            partial = sync(dtype)  # a list job, with the one from before the re-registration maybe still idle
-            assert partial.changes.changed == (shards[1],) and partial.verified == 1 and not partial.object_errors
-            assert markers() == {redone.changes.settings}
+        if how == "unregister":
+            etl_client.bucket(source).object(shards[1]).get_writer().put_content(shard_bytes(60, 2))
+            partial = sync("float16")  # the list job from before the re-registrations is waited out first
+            assert partial.kind == "etl-listrange" and partial.changes.changed == (shards[1],)
+            assert partial.verified == 1 and not partial.object_errors and markers() == {redone.changes.settings}
     finally:
         unregister(etl_client, name)
 
