@@ -549,7 +549,9 @@ def _job_progress(client: Client, job: OfflineJob, progress: Progress) -> Callab
             bar.close()
             return
         snaps = client.job(job.job_id, job_kind=job.kind).get_details().list_snapshots()
-        done = sum(snap.stats.objects for snap in snaps if snap.stats is not None)
+        # each target counts the objects it stored itself and those its pod sent on by direct put (AIS's
+        # xact/xs/coi.go); the receiving target's "in" count would count the latter twice
+        done = sum(snap.stats.objects + snap.stats.out_objects for snap in snaps if snap.stats is not None)
         bar.update(max(0, min(done, len(job.objects)) - getattr(bar, "n", 0)))
 
     return poll
