@@ -457,3 +457,23 @@ def test_a_tail_is_read_at_the_size_the_object_has_not_the_one_listed(ais, proxy
     assert tail.checksum == proxy.checksum("dst", SHARDS[0])
     gone = read_tail(ais, "dst", "val/nothing.tar", 4096)
     assert gone.marker is None and gone.why == "listed, then not found when read"
+
+
+def test_tail_reads_show_progress(ais, proxy: FakeProxy) -> None:
+    transform_bucket(ais, "wds-etl-sync", "src", "dst", options=OPTIONS, prefix="val/", incremental=True)
+    forget(proxy)
+    bars: list[list] = []
+
+    class Bar:
+        def __init__(self, total: int, what: str):
+            self.record = [what, total, 0, False]
+            bars.append(self.record)
+
+        def update(self, n: int = 1) -> None:
+            self.record[2] += n
+
+        def close(self) -> None:
+            self.record[3] = True
+
+    find_changes(ais, "wds-etl-sync", "src", "dst", prefix="val/", progress=Bar)
+    assert bars == [["incremental check", 6, 6, True]]
