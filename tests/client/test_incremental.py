@@ -377,7 +377,10 @@ def test_the_dotted_prefix_keeps_its_neighbours(ais, proxy: FakeProxy) -> None:
     assert source_names("a.npy.tar", ext) == ("a.tar",) and source_names("a.json", ext) == ("a.json",)
 
 
-def test_a_listing_taken_during_a_rebalance_refuses_to_delete(ais, proxy: FakeProxy) -> None:
+def test_a_listing_taken_during_a_rebalance_refuses_to_delete(ais, proxy: FakeProxy,
+                                                                capsys: pytest.CaptureFixture) -> None:
+    from transformer.cli import main
+
     transform_bucket(ais, "wds-etl-sync", "src", "dst", options=OPTIONS, prefix="val/", incremental=True)
     ais.bucket("src").object(SHARDS[0]).delete()
     proxy.flagged_pages = True  # every listing page flagged by the targets
@@ -387,6 +390,15 @@ def test_a_listing_taken_during_a_rebalance_refuses_to_delete(ais, proxy: FakePr
                          delete_orphans=True)
     assert raised.value.orphans == [SHARDS[0]] and raised.value.job.changes.rebalancing
     assert proxy.fqn("dst", SHARDS[0]).is_file() and proxy.calls("DELETE", "/v1/buckets/") == []
+    args = ["sync", "src", "dst", "--etl", "wds-etl-sync", "--endpoint", proxy.url, "--prefix", "val/"]
+    assert main(args + ["--delete-orphans"]) == 2  # the sync's report, then the refusal
+    captured = capsys.readouterr()
+    assert "1 orphan, 0 other" in captured.out and "AIS flagged a listing as taken during a rebalance" in captured.out
+    assert "error: ais://dst: 1 orphan(s) not deleted" in captured.err
+    assert main(args + ["--dry-run", "--delete-orphans"]) == 0
+    out = capsys.readouterr().out
+    assert "no orphan is deleted until the rebalance has ended" in out
+    assert f"dry run: would refuse to delete 1 orphan(s): {SHARDS[0]}" in out
     # pages not flagged, but a rebalance runs: refused too
     proxy.flagged_pages = False
     proxy.running = ["rebalance[g12]"]

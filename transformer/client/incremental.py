@@ -74,8 +74,8 @@ class Changes:
     then counts as changed). ``ledger_hits`` copies were classified from the ledger, ``tail_reads`` range
     GETs read the others; ``probe`` says how the ETL's settings were learnt: ``"asked"`` (the probe),
     ``"remembered"`` (the ledger, same ETL run), ``"read"`` (a dry run's read of a source through the
-    ETL) or ``""`` (no copy to compare). ``rebalancing``: the destination's listing was flagged as taken
-    during a rebalance.
+    ETL) or ``""`` (no copy to compare). ``rebalancing``: a listing (of either bucket) was flagged as
+    taken during a rebalance, so no orphan can be deleted.
     """
 
     new: tuple[str, ...] = ()
@@ -165,6 +165,7 @@ def check_destination(client: Client, etl_name: str, source: str, destination: s
         for target, tail in zip(unread, tails):
             check.tails[target] = tail
             _learn(check.known, tail)
+        orphans, others = leftovers(client, check, prefix, ext, readers, progress)
     classes: dict[str, list] = {name: [] for name in ("new", "changed", "restyled", "cut", "up_to_date")}
     hits = 0
     for target, name in mapped.items():
@@ -174,10 +175,9 @@ def check_destination(client: Client, etl_name: str, source: str, destination: s
         kind, why, from_ledger = _classify(check, target, sources.entries[name], identity, settings, version)
         hits += from_ledger
         classes[kind].append((name, why) if kind == "cut" else name)
-    orphans, others = leftovers(client, check, prefix, ext, readers, progress)
     check.changes = Changes(**{key: tuple(value) for key, value in classes.items()}, orphans=orphans, others=others,
                             identity=identity, tail_reads=sum(tail.reads for tail in check.tails.values()),
-                            ledger_hits=hits, probe=how, rebalancing=stored.rebalancing,
+                            ledger_hits=hits, probe=how, rebalancing=stored.rebalancing or sources.rebalancing,
                             seconds=time.monotonic() - started, settings=settings, version=version)
     log.info("ais://%s -> ais://%s: %s (%d from the ledger, %d range reads, in %.2f s)", source, destination,
              ", ".join(f"{count} {key.replace('_', ' ')}" for key, count in check.changes.counts.items()), hits,

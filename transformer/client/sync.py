@@ -108,11 +108,16 @@ def sync_report(job: OfflineJob, source: str, destination: str, *, dry_run: bool
     if changes.not_deleted:
         lines.append(f"not deleted: {_names([f'{name} ({why})' for name, why in changes.not_deleted])}")
     if changes.orphans and not changes.deleted and not changes.not_deleted:
-        if dry_run and delete_orphans:
+        if dry_run and delete_orphans and changes.rebalancing:
+            lines.append(f"dry run: would refuse to delete {len(changes.orphans)} orphan(s): {_names(changes.orphans)}")
+        elif dry_run and delete_orphans:
             lines.append(f"dry run: would delete {len(changes.orphans)} orphan(s): {_names(changes.orphans)}")
         else:
             lines.append(f"{len(changes.orphans)} orphan(s) kept (--delete-orphans removes them): "
                          + _names(changes.orphans))
+    if changes.rebalancing:
+        lines.append("AIS flagged a listing as taken during a rebalance: objects that exist may be missing from it, "
+                     "so no orphan is deleted until the rebalance has ended")
     if changes.others:
         lines.append(f"{len(changes.others)} other object(s) under the prefix, never deleted: "
                      + _names([f"{name} ({why})" for name, why in changes.others]))
