@@ -55,7 +55,7 @@ def input_key(size: int, checksum_type: str, checksum: str) -> int:
     return digest("input", size, checksum_type, checksum)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Known:
     """A copy's end marker as the ledger remembers it."""
 

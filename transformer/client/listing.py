@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 PROPS = "name,size,checksum"  # what the incremental check needs of every object
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Entry:
     """One listed object: its size, and the checksum and version AIS keeps for it ('' when not asked or none)."""
 
