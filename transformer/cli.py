@@ -54,8 +54,21 @@ def main(argv: list[str] | None = None) -> int:
     settings = commands.add_parser("settings", help="print the effective settings, or docs/settings.md's table")
     settings.add_argument("--markdown", action="store_true", help="print the settings table as markdown")
 
-    sync = commands.add_parser("sync", help="transform through AIS only the objects of SRC whose copy in DST is "
-                                            "missing or stale (an incremental offline transform)")
+    sync = commands.add_parser(
+        "sync", help="transform through AIS only the objects of SRC whose copy in DST is missing or stale (an "
+                     "incremental offline transform)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Compare every object of SRC under --prefix with its copy in DST and transform again, through "
+                    "the ETL, only the new, changed, restyled and cut ones.",
+        epilog="An orphan is an object of DST this transformer made (it ends with the transformer's end marker)\n"
+               "whose name maps back through --ext to a source name under --prefix that SRC no longer holds.\n"
+               "Only orphans are ever deleted, and only with --delete-orphans: by one AIS multi-object delete,\n"
+               "after the job, refused when a listing was taken during a rebalance. Any other object under\n"
+               "the prefix (no end marker, or a name no source under the prefix maps to) is reported, never\n"
+               "deleted. Objects under __etl__/ are the tool's own (its ledger, probes).\n\n"
+               "Cost: a listing of each bucket and one small object (the copy ledger) for a run with nothing\n"
+               "to do; a 2 KiB read of each copy the ledger does not know; after a job, a listing of each\n"
+               "bucket and a 2 KiB read of each copy the job wrote. No object is read whole.")
     sync.add_argument("source", help="source bucket (ais://SRC or SRC)")
     sync.add_argument("destination", help="destination bucket (ais://DST or DST)")
     sync.add_argument("--etl", required=True, help="the registered ETL; the copy is made with its settings")
@@ -65,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     sync.add_argument("--ext", action="append", default=[], metavar="FROM=TO",
                       help="rename extensions in the destination, as AIS does (repeatable), e.g. tar=npy.tar")
     sync.add_argument("--delete-orphans", action="store_true",
-                      help="delete the copies whose source is gone (default: report them only)")
+                      help="delete the orphans: this transformer's copies of sources that are gone, by their end "
+                           "marker and name (default: report them only; see below)")
+    sync.add_argument("--dry-run", action="store_true",
+                      help="print what would be transformed and deleted, by class, and change nothing")
     sync.add_argument("--timeout", type=int, default=3600, help="seconds to wait for the job (default 3600)")
 
     args = parser.parse_args(argv)
@@ -129,7 +145,7 @@ def _sync(args: argparse.Namespace) -> int:
     from .client.sync import sync
 
     return sync(args.endpoint, args.etl, args.source, args.destination, prefix=args.prefix, ext=args.ext,
-                delete_orphans=args.delete_orphans, timeout=args.timeout)
+                delete_orphans=args.delete_orphans, dry_run=args.dry_run, timeout=args.timeout)
 
 
 _COMMANDS = {

@@ -1,7 +1,8 @@
 """A fake AIS proxy (and target) over HTTP on 127.0.0.1, checking every request against the contract.
 
 It answers what the client uses, as AIS 5.0 does (ais/prxetl.go: ETL init/list/view/stop/
-start/delete, bucket create/list, object PUT/GET with ``etl_name``), plus dSort (``POST /v1/sort``,
+start/delete, bucket create/list, object PUT/GET with ``etl_name``, range GETs with the object's
+checksum and version, multi-object delete), plus dSort (``POST /v1/sort``,
 ``GET /v1/sort?uuid=``, checked against the spec fields of ``ais start dsort`` and the SDK's
 ``DsortFramework``; input names and missing inputs handled as aisnode v1.5.0 does). Every request
 is recorded; every deviation from the contract (method, path, query, JSON body) is appended to
@@ -11,7 +12,9 @@ is recorded; every deviation from the contract (method, path, query, JSON body) 
 Offline transforms (bucket-to-bucket ``etl-bck``, multi-object ``etl-listrange``) and ETL downloads
 (``/v1/download``) run to their end before the start request is answered. ``drops`` and ``cuts`` make
 the target lose an object's output without recording an error, as AIS does on some paths (a ``ws``
-direct put that fails on some runs; a ``ws`` reply stored cut on the same target).
+direct put that fails on some runs; a ``ws`` reply stored cut on the same target). ``flagged_pages``
+flags every listing page as taken during a rebalance (ais/tgtbck.go), and ``running`` adds jobs to
+those AIS lists as running (a rebalance, say).
 
 Objects live in an AIS mountpath layout (``<mountpath>/@ais/<bucket>/%ob/<object>``). An object GET
 with ``etl_name`` of an ``hpull://`` ETL is redirected, like a target does, to
@@ -148,6 +151,8 @@ class FakeProxy:
         self.pod_logs = ""  # what GET /v1/etl/<name>/logs answers for the one target
         self.checksum_type = "xxhash2"  # every bucket's checksum type (AIS 5.0's default), as HEAD answers it
         self.versions: dict[tuple[str, str], int] = {}  # (bucket, object) -> its version, counted per PUT
+        self.flagged_pages = False  # list pages flagged as taken during a rebalance (ais/tgtbck.go's Lst.Flags)
+        self.running: list[str] = []  # "kind[id]" of jobs running besides the fake's own (which end as they start)
         self._lock = threading.Lock()
         self._server = QuietServer(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -386,6 +391,8 @@ class FakeProxy:
             return self._transform_bucket(h, r, bucket, action["value"])
         if r.method == "POST" and action["action"] == "etl-listrange":
             return self._transform_objects(h, bucket, action["value"])
+        if r.method == "DELETE" and action["action"] == "delete-listrange":
+            return self._delete_objects(h, bucket, action["value"])
         raise ContractViolation(f"unexpected bucket action {action['action']!r} with {r.method}")
 
     def _transform_bucket(self, h: Any, r: Recorded, bucket: str, value: dict[str, Any]) -> None:
@@ -479,6 +486,20 @@ class FakeProxy:
                           "end_time": time.time_ns()}
         return job
 
+    def _delete_objects(self, h: Any, bucket: str, value: dict[str, Any]) -> None:
+        """A multi-object delete (``delete-listrange``, the SDK's ``ObjectGroup.delete``), run to its end before
+        answering with the job id: names that do not exist are skipped, as AIS's ``lrit`` does."""
+        if set(value) != {"objnames"} or not isinstance(value["objnames"], list):
+            raise ContractViolation(f"delete-listrange value {value!r} is not {{objnames: [...]}}")
+        if bucket not in self.buckets:
+            return h.error(404, f"bucket \"ais://{bucket}\" does not exist")
+        for name in value["objnames"]:
+            if self.fqn(bucket, name).is_file():
+                self.fqn(bucket, name).unlink()
+        job = "delete-listrange-" + uuid.uuid4().hex[:8]
+        self.jobs[job] = {"kind": "delete-listrange", "err": "", "aborted": False, "end_time": time.time_ns()}
+        h.reply(200, job.encode())
+
     def _store(self, bucket: str, name: str, data: bytes, asked: str) -> None:
         """Store an offline or downloaded object, unless ``drops`` or ``cuts`` say the target loses it."""
         if asked in self.drops:
@@ -539,7 +560,7 @@ class FakeProxy:
             raise ContractViolation(f"{r.method} /v1/cluster?{r.query} is not used by the client")
         args = r.body if isinstance(r.body, dict) else {}
         if r.query["what"] == ["running_all"]:  # "kind[id]" of the running jobs: this fake's end as they start
-            return h.json(200, [])
+            return h.json(200, [job for job in self.running if args.get("kind") in ("", job.split("[")[0])])
         job = self.jobs.get(args.get("ID", ""))  # the SDK's JobArgs: {ID, Kind, DaemonID, Bck, Buckets}
         if job is None:
             return h.error(404, f"job {args!r} not found")
@@ -569,8 +590,8 @@ class FakeProxy:
                 entry["cs"] = self.checksum(bucket, entry["n"])
             if "version" in props:
                 entry["v"] = str(self.versions.get((bucket, entry["n"]), 1))
-        listing = {"UUID": value["uuid"] or "lst-" + uuid.uuid4().hex[:6], "ContinuationToken": token, "Flags": 0,
-                   "Entries": entries}
+        listing = {"UUID": value["uuid"] or "lst-" + uuid.uuid4().hex[:6], "ContinuationToken": token,
+                   "Flags": int(self.flagged_pages), "Entries": entries}
         if r.headers.get("Accept") == "application/msgpack":
             return h.reply(200, msgspec.msgpack.encode(listing), "application/msgpack")
         h.json(200, listing)
@@ -604,7 +625,7 @@ class FakeProxy:
             return h.error(404, f"ais://{bucket}/{name} does not exist")
         etl_name = r.query.get("etl_name", [""])[-1]
         if not etl_name and "Range" in r.headers:
-            return self._range(h, r.headers["Range"], self.fqn(bucket, name).read_bytes())
+            return self._range(h, r.headers["Range"], self.fqn(bucket, name).read_bytes(), self._attrs(bucket, name))
         if not etl_name:
             return h.reply(200, self.fqn(bucket, name).read_bytes(), "application/octet-stream")
         etl = self.etls.get(etl_name)
@@ -621,8 +642,14 @@ class FakeProxy:
         location = f"{self.pod_url}/{go_path_escape(f'ais/@#/{bucket}/{name}')}?{urlencode(query)}"
         h.reply(307, headers={"Location": location})
 
-    def _range(self, h: Any, header: str, data: bytes) -> None:
-        """A single-range GET (RFC 7233, as a target answers it): ``206`` with ``Content-Range``."""
+    def _attrs(self, bucket: str, name: str) -> dict[str, str]:
+        """The object's attributes a GET answers with (``cmn.ToHeader``): its checksum and version."""
+        return {"Ais-Checksum-Type": self.checksum_type, "Ais-Checksum-Value": self.checksum(bucket, name),
+                "Ais-Version": str(self.versions.get((bucket, name), 1))}
+
+    def _range(self, h: Any, header: str, data: bytes, attrs: dict[str, str]) -> None:
+        """A single-range GET (RFC 7233, as a target answers it): ``206`` with ``Content-Range`` and the whole
+        object's attributes."""
         match = re.fullmatch(r"bytes=(\d*)-(\d*)", header)
         if match is None or match.group(1) == match.group(2) == "":
             raise ContractViolation(f"Range {header!r} is not one byte range")
@@ -632,7 +659,7 @@ class FakeProxy:
         if start > end:
             return h.reply(416, headers={"Content-Range": f"bytes */{len(data)}"})
         h.reply(206, data[start:end + 1], "application/octet-stream",
-                headers={"Content-Range": f"bytes {start}-{end}/{len(data)}"})
+                headers={"Content-Range": f"bytes {start}-{end}/{len(data)}", **attrs})
 
     def _relay(self, h: Any, r: Recorded, bucket: str, name: str) -> None:
         """An inline GET of an ``hpush://`` ETL, relayed as AIS 5.0's target relays it.

@@ -12,9 +12,11 @@ resumable stream of samples), ``epoch`` (an epoch's shard order, ErrorCounter), 
 ``resume`` (a loader's saved state and its checks), ``loader`` (make_loader), ``webloader`` (the
 webdataset way: ``web_loader``, ``etl_dataset``, a ``wds.WebLoader`` over whole shards),
 ``prefetch`` (CudaPrefetcher), ``convert`` (folder datasets -> shards in a bucket), ``shuffle``
-(dSort), ``offline`` (an ETL'd copy of a bucket, job errors, pod logs), ``download`` (links fetched
-and transformed by the pods, stored in a bucket), ``sync`` (``wds-transform sync``'s work), ``dali``
-(external_source feeder).
+(dSort), ``offline`` (an ETL'd copy of a bucket, job errors, pod logs), ``whole_copy`` (a copy
+proven whole from its tails), ``incremental`` (what of a copy is stale, orphans), ``ledger`` (the
+markers of a copy already read), ``listing`` (listings with AIS's rebalance flag), ``download`` (links
+fetched and transformed by the pods, stored in a bucket), ``sync`` (``wds-transform sync``'s work),
+``dali`` (external_source feeder).
 
 ``__all__`` is what a training job uses (docs/client.md); each module's own names (the helpers
 under these, job records, the wire's encoders) are imported from that module. The names the package

@@ -119,6 +119,24 @@ class IncompleteCopy(ClientError):
         self.job = job
 
 
+class OrphanDeleteRefused(ClientError):
+    """``delete_orphans`` deleted nothing: the destination's listing cannot prove what is an orphan.
+
+    A listing taken during a rebalance (or after an interrupted one) leaves out objects that exist, so
+    a copy of an existing source could look like an orphan; the transform itself is done and proven:
+    ``job`` is the finished job, its ``changes`` included.
+    """
+
+    job: object = None
+
+    def __init__(self, bucket: str, reason: str, orphans: Sequence[str]):
+        super().__init__(f"ais://{bucket}: {len(orphans)} orphan(s) not deleted: {reason}. Nothing was deleted; "
+                         "run the sync again with delete_orphans once the rebalance has ended (`ais show rebalance`)")
+        self.bucket = bucket
+        self.reason = reason
+        self.orphans = list(orphans)
+
+
 def _some(items: Sequence[str], shown: int = 10) -> str:
     return ", ".join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")
 
