@@ -2,21 +2,26 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= server,client,demo,bench,dali,test
 TEST_WORKERS ?= 2  # make test: pytest-xdist workers; --dist loadfile keeps each test file on one worker
 
-.PHONY: install demo test bench aisnode k8s-tools ais-etl image test-image test-k8s image-tools k8s-host-tools gpu-wheels scaling-wheels \
+.PHONY: install lock demo test bench aisnode k8s-tools ais-etl image test-image test-k8s image-tools k8s-host-tools gpu-wheels scaling-wheels \
 	lint clean
 
 install: $(VENV)/.installed
 
-# torchvision==0.29.2 pulls torch 2.15.0 from PyPI (a CUDA build that also runs on CPU, ~6 GB installed).
-$(VENV)/.installed: pyproject.toml
+# Exactly the locked set (requirements/dev.txt, from uv.lock: every version and file hash fixed, so a new release on
+# PyPI changes nothing), then the package itself, editable, built by the locked setuptools without fetching another.
+# torch is PyPI's 2.15.0 (a CUDA build that also runs on CPU, ~6 GB installed).
+$(VENV)/.installed: pyproject.toml requirements/dev.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	$(PY) -m pip install --quiet --require-hashes --no-deps -r requirements/dev.txt
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	$(PY) -c "import torchvision.transforms.v2, transformer.server"
 	touch $@
+
+# uv.lock again from pyproject.toml, and every file generated from it (requirements/lock.py says which).
+lock: install
+	$(PY) requirements/lock.py
 
 demo: install
 	PY=$(PY) bash scripts/demo.sh
