@@ -71,11 +71,13 @@ test-k8s: install k8s-host-tools image k8s-tools
 ais-etl: install
 	$(PY) -m testbed.etl_cluster
 
-# The wheels python -m bench.gpu installs on a GPU machine without network (docs/performance.md).
-gpu-wheels:
-	rm -rf .gpu-wheels
-	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-		--platform manylinux2014_x86_64 -d .gpu-wheels -r requirements/gpu-check.txt
+# The wheels python -m bench.gpu installs on a GPU machine without network (docs/performance.md, GPU): CPython 3.12
+# wheels of requirements/gpu-check.txt into GPU_WHEELS, by the venv's pip (a plain python3 may have none).
+GPU_WHEELS ?= .gpu-wheels
+gpu-wheels: install
+	rm -rf $(GPU_WHEELS)
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux2014_x86_64 -d $(GPU_WHEELS) -r requirements/gpu-check.txt
 
 # The pod's, the bench's and the SDK peer's packages for bench/device_scaling.sh on a machine without them or a
 # network (requirements/scaling-check.txt): CPython 3.12 manylinux wheels into .scaling-wheels/.

@@ -143,7 +143,9 @@ for name in ("scaling", *sorted(p.name for p in out.glob("gil*"))):
         shares = "; ".join("n/a" if p["gil_share"] is None else f"{100 * p['gil_share']:.1f}%"
                            for p in r.get("per_process", []) if p["role"] != "forkserver")
         fraction = r.get("server_gil_fraction")
-        pss = f"{r['pss_bytes'] / 2**20:,.0f}" if r.get("pss_bytes") else ""
+        # the pod's PSS under load, as LoadRun.summary() records it (bench/scaling.py's memory())
+        pss_bytes = (r.get("memory") or {}).get("pss")
+        pss = f"{pss_bytes / 2**20:,.0f}" if pss_bytes else ""
         print(f"| {r['design']} | {r['workers']} | {r['images_per_second']:,.0f} | {efficiency} | "
               f"{r['cpu_ms_per_image']:.2f} | {pss} | {shares} | "
               f"{'' if fraction is None else f'1/{1 / fraction:,.0f}' if fraction else ''} |")
