@@ -851,8 +851,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="folder for results.json and results.md")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, CUDA parts skipped without CUDA: "
                         "checks the script, not speed")
-    parser.add_argument("--wheels", type=Path, help=f"install these wheels first (default {WHEELS.name} when it "
-                        "exists and the run is not a smoke run)")
+    parser.add_argument("--wheels", type=Path, help=f"install these wheels first (default {WHEELS.name}/ but for a "
+                        "smoke run; missing, or not requirements/gpu-check.txt's pins, the run stops at once)")
     parser.add_argument("--work", type=Path, help="folder for the shards and the installed wheels (default: a "
                       "temporary folder)")
     parser.add_argument("--budget", type=float, help="seconds for the whole run (default 270; smoke 200)")
