@@ -9,7 +9,8 @@
 # tests/test_deploy.py lints this file, replays its pip steps and starts its entry command;
 # `make test-image` builds it and runs the real-ETL suite with every ETL pod a container of it.
 
-# 3.11 is the Python requirements/*.txt were locked for (requirements/lock.py); change both together.
+# 3.11 is the Python requirements/server.txt and torch.txt were written for from uv.lock (requirements/lock.py); change
+# both together.
 ARG PYTHON_VERSION=3.11
 ARG DEBIAN_RELEASE=trixie
 # Any Debian-based image with python${PYTHON_VERSION} and its venv module (`python -m venv`) will do;

@@ -2,21 +2,26 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= server,client,demo,bench,dali,test
 TEST_WORKERS ?= 2  # make test: pytest-xdist workers; --dist loadfile keeps each test file on one worker
 
-.PHONY: install demo test bench aisnode k8s-tools ais-etl image test-image test-k8s image-tools k8s-host-tools gpu-wheels scaling-wheels \
+.PHONY: install lock demo test bench aisnode k8s-tools ais-etl image test-image test-k8s image-tools k8s-host-tools gpu-wheels scaling-wheels \
 	lint clean
 
 install: $(VENV)/.installed
 
-# torchvision==0.29.2 pulls torch 2.15.0 from PyPI (a CUDA build that also runs on CPU, ~6 GB installed).
-$(VENV)/.installed: pyproject.toml
+# Exactly the locked set (requirements/dev.txt, from uv.lock: every version and file hash fixed, so a new release on
+# PyPI changes nothing), then the package itself, editable, built by the locked setuptools without fetching another.
+# torch is PyPI's 2.15.0 (a CUDA build that also runs on CPU, ~6 GB installed).
+$(VENV)/.installed: pyproject.toml requirements/dev.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	$(PY) -m pip install --quiet --require-hashes --no-deps -r requirements/dev.txt
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	$(PY) -c "import torchvision.transforms.v2, transformer.server"
 	touch $@
+
+# uv.lock again from pyproject.toml, and every file generated from it (requirements/lock.py says which).
+lock: install
+	$(PY) requirements/lock.py
 
 demo: install
 	PY=$(PY) bash scripts/demo.sh
@@ -66,11 +71,13 @@ test-k8s: install k8s-host-tools image k8s-tools
 ais-etl: install
 	$(PY) -m testbed.etl_cluster
 
-# The wheels python -m bench.gpu installs on a GPU machine without network (docs/performance.md).
-gpu-wheels:
-	rm -rf .gpu-wheels
-	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-		--platform manylinux2014_x86_64 -d .gpu-wheels -r requirements/gpu-check.txt
+# The wheels python -m bench.gpu installs on a GPU machine without network (docs/performance.md, GPU): CPython 3.12
+# wheels of requirements/gpu-check.txt into GPU_WHEELS, by the venv's pip (a plain python3 may have none).
+GPU_WHEELS ?= .gpu-wheels
+gpu-wheels: install
+	rm -rf $(GPU_WHEELS)
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux2014_x86_64 -d $(GPU_WHEELS) -r requirements/gpu-check.txt
 
 # The pod's, the bench's and the SDK peer's packages for bench/device_scaling.sh on a machine without them or a
 # network (requirements/scaling-check.txt): CPython 3.12 manylinux wheels into .scaling-wheels/.

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.report import finish, short_commit
+from bench.report import finish, stamp
 from testbed.shardgen import textured_jpeg
 
 # (width, height): short side 200 to 2400, landscape and portrait, odd sizes, ImageNet's common 500 x 375/333.
@@ -122,7 +122,8 @@ def _tar(name: str, data: bytes) -> bytes:
 def report(results: dict) -> str:
     meta = results.get("meta", {})
     rows = results["rows"]
-    lines = [f"`{meta.get('command', 'python -m bench.accuracy')}` at {meta.get('commit', '?')}: "
+    lines = [f"`{meta.get('command', 'python -m bench.accuracy')}` at {meta.get('commit', '?')}"
+             + (f", {meta['started']}" if "started" in meta else "") + ": "
              f"{len({r['image'] for r in rows})} JPEGs, {meta.get('cpus')} CPUs, torch {meta.get('torch')}. "
              "Error: mean absolute difference per image against torchvision's output, [0, 1] units "
              "(uint8 / 255); the largest and the mean over the images (and seeds) of each range.", ""]
@@ -154,9 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         print(report(json.loads(args.render.read_text())))
         return 0
+    started = stamp()
     results = measure()
     command = "python -m bench.accuracy " + " ".join(argv or sys.argv[1:])
-    results["meta"] = {"commit": short_commit(), "command": command, "cpus": os.cpu_count(), "torch": torch.__version__}
+    results["meta"] = {"commit": started["git"], "started": started["started"], "command": command,
+                       "cpus": os.cpu_count(), "torch": torch.__version__}
     return finish(results, args.json, report(results))
 
 

@@ -1,14 +1,19 @@
 """The training side on a GPU: ``python -m bench.gpu --out DIR`` (``--smoke`` for CI, on any machine).
 
-One command for a GPU machine that has Python, PyTorch with CUDA, torchvision, numpy and pytest but no
-network. The client's other packages travel as wheels (``--wheels``: ``make gpu-wheels`` fetches
-``requirements/gpu-check.txt`` into ``.gpu-wheels/``), installed with ``pip --no-index --no-deps`` into
-a folder of their own; the run goes on in a child with that folder first on its path, and the machine's torch
-is left as it is. Every part has a time cap inside ``--budget`` (seconds), so the run ends in time even
-where a part is slow; a part or case left without time is reported as cut (the headline says which), never
-as passed or failed.
+One command for a GPU machine that has Python 3.12, PyTorch with CUDA and the packages
+``requirements/gpu-machine.txt`` lists, but no network. The client's other packages travel as wheels
+(``--wheels``, default ``.gpu-wheels/``: ``make gpu-wheels`` fetches ``requirements/gpu-check.txt`` into it),
+installed with ``pip --no-index --no-deps`` into a folder of their own; the run goes on in a child with that
+folder first on its path, and the machine's torch is left as it is. Every part has a time cap inside
+``--budget`` (seconds), so the run ends in time even where a part is slow; a part or case left without time is
+reported as cut (the headline says which), never as passed or failed.
 ``results.json`` and ``results.md`` are written again after each part, so a run stopped from outside
 keeps what it measured.
+
+A lent GPU machine is there for minutes, so whatever would fail the run half-way stops it at once, saying why:
+wheels missing or not the pins (exit 2 before anything else), a module the run imports missing (the
+``imports`` part: every third-party module of the script, the example and the collected tests, imports inside
+functions included, from ``bench/imports.py``), no CUDA device (but for ``--smoke``).
 
 Parts, in order:
 
@@ -67,6 +72,15 @@ STD = (0.229, 0.224, 0.225)
 # Skips that the GPU run expects; any other skip there fails the tests part.
 EXPECTED_SKIPS = ("checks the fallback of a machine without CUDA", "DALI (the dali extra) is not installed")
 WHEELS = REPO / ".gpu-wheels"
+CARRIED = REPO / "requirements" / "gpu-check.txt"  # the wheels' pins: make gpu-wheels fetches exactly these
+# The pod's side, which the run never calls (the client tests that need it are marked server and left out): an
+# import of it inside a function is not followed when the run's imports are listed (bench/imports.py).
+NEVER_CALLED = ("transformer.cli", "transformer.serve", "transformer.server", "transformer.apply", "transformer.engine",
+                "transformer.spec", "transformer.samples", "transformer.preview", "transformer.demo",
+                "transformer.cropdecode", "testbed.service")
+# Modules the run's code imports that the machine lacks on purpose, each with the skip (EXPECTED_SKIPS) that
+# keeps the run from needing it.
+ABSENT = {"nvidia": "DALI (the dali extra) is not installed"}
 # The prefetcher must hide at least half of a batch's copy behind the step (examples/prefetch_overlap.py:
 # 1.0 = all of it): a copy on the step's stream, or one from pageable memory, gives about 0.
 MIN_OVERLAP = 0.5
@@ -181,7 +195,66 @@ def check(entry: dict, name: str, ok: bool, detail: str) -> None:
         entry["reason"] = "; ".join(c["check"] for c in entry["checks"] if not c["ok"])
 
 
-# ---- 0. the carried wheels ----------------------------------------------------------------------------------
+# ---- 0. the carried wheels, and every module the run imports ----------------------------------------------
+
+
+def run_files() -> list[Path]:
+    """The files the run starts from: this script, the example it runs and the tests it collects."""
+    tests = REPO / "tests"
+    return [REPO / "bench" / "gpu.py", REPO / "examples" / "prefetch_overlap.py", tests / "conftest.py",
+            *sorted((tests / "client").glob("*.py"))]
+
+
+def needed_modules() -> dict[str, str]:
+    """Each third-party module the run imports (inside functions too, the pod's side left out) -> where; without
+    the ``ABSENT`` ones."""
+    from .imports import third_party_imports
+
+    found = third_party_imports(run_files(), follow_functions=True, never_called=NEVER_CALLED)
+    return {module: where for module, where in sorted(found.items()) if module not in ABSENT}
+
+
+def wheels_problem(wheels: Path, carried: Path = CARRIED) -> str | None:
+    """Why ``wheels`` is not the set of ``carried``'s pins (missing, empty, a pin without its wheel, a wheel
+    without its pin), or None. Checked before anything else: the run cannot work without them."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name, parse_wheel_filename
+
+    fix = (f"run `make gpu-wheels` in the checkout the call is made from, and carry the folder: "
+           f"run(command=..., carry=[\"{WHEELS.name}\"], ...)")
+    files = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
+    if not files:
+        return f"no wheels in {wheels}: {fix}"
+    pins = {}
+    for line in carried.read_text().splitlines():
+        text = line.split("#", 1)[0].strip()
+        if text:
+            requirement = Requirement(text)
+            pins[canonicalize_name(requirement.name)] = str(next(iter(requirement.specifier)).version)
+    found = {str(parse_wheel_filename(f.name)[0]): str(parse_wheel_filename(f.name)[1]) for f in files}
+    if found != pins:
+        missing = sorted(f"{n}=={v}" for n, v in pins.items() if found.get(n) != v)
+        extra = sorted(f"{n}=={v}" for n, v in found.items() if pins.get(n) != v)
+        return (f"{wheels} is not {carried.relative_to(REPO)}: missing {', '.join(missing) or 'none'}; not pinned "
+                f"{', '.join(extra) or 'none'}: {fix}")
+    return None
+
+
+def import_all(modules: dict[str, str]) -> dict:
+    """Each module of ``modules`` imported here (the machine's packages and the carried wheels): a missing one
+    fails the run in seconds instead of half-way through."""
+    import importlib
+
+    failed = {}
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # any import error names what to carry or install
+            failed[module] = f"{type(exc).__name__}: {exc}"[:300]
+    result = {"modules": sorted(modules), "failed": failed}
+    check(result, "every module the run imports is there", not failed,
+          "; ".join(f"{m} (imported at {modules[m]}): {why}" for m, why in failed.items()))
+    return result
 
 
 def install(wheels: Path, site: Path) -> dict:
@@ -778,8 +851,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="folder for results.json and results.md")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, CUDA parts skipped without CUDA: "
                         "checks the script, not speed")
-    parser.add_argument("--wheels", type=Path, help=f"install these wheels first (default {WHEELS.name} when it "
-                        "exists and the run is not a smoke run)")
+    parser.add_argument("--wheels", type=Path, help=f"install these wheels first (default {WHEELS.name}/ but for a "
+                        "smoke run; missing, or not requirements/gpu-check.txt's pins, the run stops at once)")
     parser.add_argument("--work", type=Path, help="folder for the shards and the installed wheels (default: a "
                       "temporary folder)")
     parser.add_argument("--budget", type=float, help="seconds for the whole run (default 270; smoke 200)")
@@ -796,8 +869,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, (small, full) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, small if smoke else full)
-    if args.wheels is None and not smoke and WHEELS.is_dir():
-        args.wheels = WHEELS
+    if args.wheels is None and not smoke:
+        args.wheels = WHEELS  # missing, main() stops at once: the run cannot work without them
     sizes = {"batch": (8, 256), "size": (32, SIZE), "per_shard": (16, 256), "workers": ([0, 1], [0, 4, 8]),
              "web_workers": (0, 8), "case_s": (3.0, 7.0), "model": ("tiny", "resnet50"), "steps": (5, 40),
              "train_workers": (0, 8), "train_s": (4.0, 20.0), "passes": (1, 5)}
@@ -809,13 +882,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     args = parse_args(argv)
+    carried = os.environ.get(INSTALLED)
+    if args.wheels is not None and not carried and not args.smoke:
+        problem = wheels_problem(args.wheels)
+        if problem:
+            print(f"bench.gpu: {problem}", file=sys.stderr, flush=True)
+            return 2
     started = time.time()
     budget = Budget(args.budget)
     results: dict[str, Any] = {"parts": {}, "meta": {
         "command": "python -m bench.gpu " + shlex.join(argv),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)), "budget_s": args.budget,
         "smoke": args.smoke}}
-    carried = os.environ.get(INSTALLED)
     if carried:  # the run on the carried wheels: what the parent measured so far
         state = json.loads(carried)
         results["parts"], results["meta"] = state["parts"], state["meta"]
@@ -826,12 +904,17 @@ def main(argv: list[str] | None = None) -> int:
         work.mkdir(parents=True, exist_ok=True)
         if args.wheels is not None and not carried:
             run_part(results, "install", lambda: install(args.wheels, work / "site"), budget, 0, out)
+            if results["parts"]["install"]["status"] != "passed":
+                return finish(results, out, started)
             return on_carried_wheels(argv, work / "site", work, budget, results, started)
+        run_part(results, "imports", lambda: import_all(needed_modules()), budget, 0, out)
         results["environment"] = environment(args.smoke)
         cuda = results["environment"]["device"] is not None
         if not cuda and not args.smoke:
             results["parts"]["cuda"] = {"status": "failed", "reason": "no CUDA device: this run is for a GPU machine "
                                         "(--smoke runs the script anywhere)", "seconds": 0}
+        if results["parts"]["imports"]["status"] != "passed" or "cuda" in results["parts"]:
+            return finish(results, out, started)  # the rest would fail half-way: stop at once, saying why
         run_part(results, "tests", lambda: run_tests(args.tests, budget.cap(args.tests_s), work, cuda), budget, 20, out)
         run_part(results, "prefetch", lambda: prefetch_checks(args.batch if args.smoke else 64, budget, args.smoke,
                                                               work), budget, 10, out)
@@ -858,6 +941,11 @@ def main(argv: list[str] | None = None) -> int:
                     budget, 10, out)
         finally:
             shutil.rmtree(folder, ignore_errors=True)  # in memory when it is under /dev/shm
+    return finish(results, out, started)
+
+
+def finish(results: dict, out: Path, started: float) -> int:
+    """The results written and printed; exit status 0 if the run passed."""
     results["meta"]["duration_s"] = round(time.time() - started, 1)
     write_results(results, out, finished=True)
     print((out / "results.md").read_text(), flush=True)

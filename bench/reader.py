@@ -27,6 +27,7 @@ from collections import Counter
 from pathlib import Path
 
 from . import client_side, data
+from .report import git_state
 from .stats import median
 
 log = logging.getLogger("bench")
@@ -63,12 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s bench: %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("transformer").setLevel(logging.WARNING)
-    started = time.time()
+    started, git = time.time(), git_state()["git"]
     with tempfile.TemporaryDirectory(prefix="wds-reader-") as temporary:
         work = args.work or Path(temporary)
         results = run(args, work)
     results["meta"] = {"command": "python -m bench.reader " + shlex.join(argv if argv is not None else sys.argv[1:]),
-                       "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
+                       "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)), "git": git,
                        "duration_s": round(time.time() - started, 1), "load_average_end": os.getloadavg(),
                        "cpus": os.cpu_count(), "shards": args.shards, "samples_per_shard": args.samples,
                        "passes": args.passes,
@@ -183,8 +184,9 @@ def markdown(results: dict) -> str:
     meta = results["meta"]
     lines = [
         "# Reading ETL'd shards on one core (and in one DataLoader worker)", "",
-        f"`{meta['command']}`, {meta['started']}, {meta['duration_s']:.0f} s; {meta['shards']} shards x "
-        f"{meta['samples_per_shard']} samples (3x224x224), read {meta['passes']} times per epoch, batches of "
+        f"`{meta['command']}` at commit {meta.get('git', 'unknown')}, {meta['started']}, {meta['duration_s']:.0f} s; "
+        f"{meta['shards']} shards x {meta['samples_per_shard']} samples (3x224x224), read {meta['passes']} times "
+        "per epoch, batches of "
         f"{meta['batch_size']}, {meta['rounds']} "
         f"round(s); {meta['cpus']} CPUs, load average at the end "
         f"{', '.join(f'{x:.1f}' for x in meta['load_average_end'])}.",

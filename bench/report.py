@@ -25,11 +25,6 @@ def _git(*command: str) -> str:
     return done.stdout.strip()
 
 
-def short_commit() -> str:
-    """The checked-out commit, short ('' outside a git checkout)."""
-    return _git("rev-parse", "--short", "HEAD")
-
-
 def finish(results: dict, json_path: Path | None, text: str) -> int:
     """A one-off command's last step: its figures as JSON where asked, its report on stdout; exit status 0."""
     if json_path:
@@ -38,12 +33,26 @@ def finish(results: dict, json_path: Path | None, text: str) -> int:
     return 0
 
 
-def save_run(out: Path, results: dict, title: str, command: str, text: str) -> int:
-    """A run's folder: ``results.json`` and ``results.md`` (the title, the command, the report); the report
-    on stdout; exit status 0."""
+def stamp() -> dict[str, str]:
+    """The checked-out commit (short, " (dirty)" when transformer/ differs from it) and the date and time now: what
+    every kept run's report states near its top (tests/test_kept_runs.py). Taken when a run starts."""
+    return {"git": git_state()["git"], "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+
+
+def stamp_line(meta: dict) -> str:
+    """The report's line naming the commit whose code the run measured, and its date."""
+    return f"Commit: {meta.get('git') or meta.get('commit') or 'unknown'}, date: {meta.get('started', 'unknown')}."
+
+
+def save_run(out: Path, results: dict, title: str, command: str, text: str, started: dict | None = None) -> int:
+    """A run's folder: ``results.json`` and ``results.md`` (the title, the command, the commit and date of
+    ``started`` (``stamp()`` taken when the run began; now, if not given), the report); the report on stdout;
+    exit status 0."""
     out.mkdir(parents=True, exist_ok=True)
+    meta = results.setdefault("meta", {})
+    meta.update(started or stamp())
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "results.md").write_text(f"# {title}\n\n`{command}`\n\n{text}")
+    (out / "results.md").write_text(f"# {title}\n\n`{command}`\n\n{stamp_line(meta)}\n\n{text}")
     print(text)
     return 0
 

@@ -5,10 +5,12 @@ compute limit, this service and the conventional peer once per preset, so that r
 taken under the same load; tables report medians over rounds and percentiles over all shard requests.
 The run is bounded by ``--budget`` seconds: what does not fit is recorded as skipped, never left hanging.
 
-Outputs in ``--out`` (default ``bench/results/headline/<date>-<time>-<commit>``, the run's start and the
-checked-out commit): ``results.json`` (every raw figure), ``results.md`` (tables, targets, machine, load
-average, versions, command) and ``results.png`` (plot). ``python -m bench.headline`` (``make bench``) runs it
-at the headline's size and rewrites the tables README.md and docs/performance.md show from the newest run.
+Outputs in ``--out`` (default ``bench-out/<date>-<time>-<commit>`` in the checkout, the run's start and the
+checked-out commit; git ignores it): ``results.json`` (every raw figure), ``results.md`` (tables, targets,
+machine, load average, versions, command) and ``results.png`` (plot). A run never goes into
+``bench/results/headline/`` by default: the documents' figures come from there, and only
+``python -m bench.headline`` (``make bench``) writes there, at the headline's size, then rewrites the sections
+README.md and docs/performance.md generate from it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ log = logging.getLogger("bench")
 
 PRESETS = ("imagenet-train", "imagenet-val")
 HEADLINE_ROOT = Path(__file__).parent / "results" / "headline"
+# Where a run goes without --out: outside bench/results/, which holds kept runs only.
+SCRATCH = Path(__file__).resolve().parents[1] / "bench-out"
 
 
 class Budget:
@@ -44,8 +48,8 @@ class Budget:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shards, one round: checks the harness, not speed")
-    parser.add_argument("--out", type=Path, help="results folder (default: bench/results/headline/<date>-<time>-"
-                        "<commit>)")
+    parser.add_argument("--out", type=Path, help="results folder (default: bench-out/<date>-<time>-<commit>; with "
+                        "--render, the kept headline run)")
     parser.add_argument("--work", type=Path, help="folder for shards and logs (default: a temporary folder)")
     parser.add_argument("--shards", type=int, help="demo shards (default 4; smoke 2)")
     parser.add_argument("--samples", type=int, help="samples per demo shard (default 1000; smoke 16)")
@@ -99,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = Budget(args.budget)
     started = time.time()
     git = report.git_state()
-    if args.out is None:
-        args.out = HEADLINE_ROOT / report.run_name(started)
+    args.out = out_folder(args.out, started)
     load_start = [round(x, 2) for x in os.getloadavg()]
     temporary = None
     if args.work is None:
@@ -122,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     report.write_plot(results, args.out / "results.png")
     log.info("wrote %s/results.{json,md,png} in %.0f s", args.out, time.time() - started)
     return 0
+
+
+def out_folder(out: Path | None, started: float) -> Path:
+    """``--out``, else a folder named for the run's start and commit under bench-out/: never bench/results/, whose
+    runs the documents cite (a smoke run there would become the next headline)."""
+    return out if out is not None else SCRATCH / report.run_name(started)
 
 
 def run(args: argparse.Namespace, budget: Budget, logs: Path) -> dict:

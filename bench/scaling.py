@@ -379,6 +379,12 @@ def spec_memory(args: argparse.Namespace, work: Path, shards: list[data.Shard], 
         server.stop()
 
 
+def sweep_row(case: Case, found: dict | None = None) -> dict:
+    """One case of ``--sweep`` as ``scaling.json`` keeps it (bench/device_scaling.sh's summary reads these keys):
+    the case's summary, and the pod's PSS under that load (``memory``) when taken."""
+    return {**case.summary(), "pss_bytes": found["pss"] if found else None}
+
+
 def sweep_cores(args: argparse.Namespace, work: Path, shards: list[data.Shard], target: FileTarget) -> list[dict]:
     """images/s at each worker count of ``--sweep``: both designs (2 shards per worker in flight), one shard in
     flight (the processes design), and the peer; the server's GIL at the largest count."""
@@ -393,16 +399,17 @@ def sweep_cores(args: argparse.Namespace, work: Path, shards: list[data.Shard], 
                 request(server, shards[0], "fqn")
                 case = drive(server, design, workers, processes, shards, "fqn", inflight, args.seconds,
                              spy=workers == largest)
-                rows.append({**case.summary(), "pss_bytes": memory(pod_processes(server))["pss"]})
+                rows.append(sweep_row(case, memory(pod_processes(server))))
                 if design == "processes":
-                    rows.append(drive(server, design, workers, processes, shards, "fqn", 1, args.seconds,
-                                      spy=workers == largest).summary())
+                    rows.append(sweep_row(drive(server, design, workers, processes, shards, "fqn", 1, args.seconds,
+                                                spy=workers == largest)))
             finally:
                 server.stop()
         if args.peer:
             server = start_peer(work / "logs", workers, name=f"sweep-peer-{workers}").ready()
             try:
-                rows.append(drive(server, "peer", workers, 0, shards, "fqn", inflight, args.seconds).summary())
+                rows.append(sweep_row(drive(server, "peer", workers, 0, shards, "fqn", inflight, args.seconds),
+                                      memory(pod_processes(server))))
             finally:
                 server.stop()
     return rows

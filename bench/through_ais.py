@@ -38,7 +38,7 @@ from urllib.parse import quote
 
 import requests
 
-from bench.report import save_run
+from bench.report import save_run, stamp
 from testbed.shardgen import imagenet_like_members, make_tar
 
 CASES = ("direct", "inline-hpush", "inline-ws", "offline")
@@ -218,6 +218,7 @@ def main() -> int:
     images = {kind: IMAGE if kind == kinds[0] else f"{IMAGE.split(':')[0]}:{kind}" for kind in kinds}
 
     binary = install_aisnode(log=lambda message: print(message, file=sys.stderr))
+    started = stamp()
     namespace = enter_network_namespace(list(NODES.values()))
     try:
         with tempfile.TemporaryDirectory(prefix="bench-ais-") as root, \
@@ -229,7 +230,7 @@ def main() -> int:
         namespace.leave()
     return save_run(options.out, result, "Through AIS, side by side",
                     f"python -m bench.through_ais --shards {options.shards} --samples {options.samples} "
-                    f"--rounds {options.rounds} --pods {options.pods}", markdown(result))
+                    f"--rounds {options.rounds} --pods {options.pods}", markdown(result), started)
 
 
 if __name__ == "__main__":

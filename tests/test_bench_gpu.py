@@ -183,3 +183,11 @@ def test_the_overlap_has_a_threshold() -> None:
     broken: dict = {"status": "passed"}
     gpu.check_overlap(broken, {"dtype": "uint8", "error": "stopped after 45 s"})
     assert broken["status"] == "failed" and "prefetch_overlap.py ran (uint8)" in broken["reason"]
+
+
+def test_a_module_missing_there_fails_the_imports_part_naming_it() -> None:
+    found = gpu.import_all({"json": "bench/gpu.py:1", "not_a_module_anywhere": "elsewhere.py:7"})
+    assert found["status"] == "failed" and list(found["failed"]) == ["not_a_module_anywhere"]
+    detail = found["checks"][0]["detail"]
+    assert "not_a_module_anywhere (imported at elsewhere.py:7): ModuleNotFoundError" in detail
+    assert "status" not in gpu.import_all({"json": "bench/gpu.py:1"})

@@ -1,11 +1,14 @@
 """What python -m bench.gpu needs on the GPU machine is there: every requirement of the carried wheels
-(requirements/gpu-check.txt, read from their METADATA) and every import of the code that runs there is met
-by a carried wheel or by the machine's own packages (requirements/gpu-machine.txt), for Python 3.12 on Linux."""
+(requirements/gpu-check.txt, read from their METADATA) and every import of the code that runs there, inside
+functions too, is met by a carried wheel or by the machine's own packages (requirements/gpu-machine.txt), for
+Python 3.12 on Linux; and the wheels `make gpu-wheels` fetched are the pins, of the size docs/performance.md says."""
 
 from __future__ import annotations
 
-import ast
 import email.parser
+import re
+import shutil
+import subprocess
 import sys
 import zipfile
 from importlib import metadata
@@ -16,21 +19,23 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
+from bench import gpu
+from bench.imports import LOCAL, third_party_imports
+from bench.imports import imports as _imports  # noqa: F401  (tests/test_scaling_wheels.py reads them from here)
+from bench.imports import local_file as _local_file  # noqa: F401
+from tests import gpu_wheels
+
 REPO = Path(__file__).resolve().parents[1]
 CARRIED = REPO / "requirements" / "gpu-check.txt"
 MACHINE = REPO / "requirements" / "gpu-machine.txt"
 WHEELS = REPO / ".gpu-wheels"
-LOCAL = ("transformer", "tests", "testbed", "bench", "examples")
+PERFORMANCE = REPO / "docs" / "performance.md"
+TRAVELS = 64 * 2**20  # the working tree and the carried paths together, per call of the device tool
 # The GPU machine's interpreter and platform, for environment markers.
 MARKERS = {"python_version": "3.12", "python_full_version": "3.12.0", "sys_platform": "linux",
            "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
            "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
-# What runs there: the script and the example it runs (every import, also inside functions), and the tests it
-# collects (tests/client, their conftests); the local modules they import are followed at module level (a
-# function's import in a library module runs only when called, as the pod's side never is there).
-ENTRY = ["bench/gpu.py", "examples/prefetch_overlap.py"]
-COLLECTED = ["tests/conftest.py", "tests/client/conftest.py",
-             *(str(p.relative_to(REPO)) for p in sorted((REPO / "tests/client").glob("*.py")))]
+assert LOCAL  # the crawl's own packages, shared with tests/test_scaling_wheels.py
 
 
 def lines(path: Path) -> list[Requirement]:
@@ -53,7 +58,7 @@ def machine() -> dict[str, Requirement]:
 
 def requires_dist(name: str, version: Version, wheels: Path = WHEELS, target: str = "gpu-wheels") -> list[Requirement]:
     """The Requires-Dist of ``name==version``: from its wheel in ``wheels`` (``make target``), else from the same
-    version installed here."""
+    version installed here (the pins are uv.lock's, and so is the venv: tests/test_lock.py)."""
     for wheel in sorted(wheels.glob("*.whl")) if wheels.is_dir() else []:
         wheel_name, wheel_version, _, _ = parse_wheel_filename(wheel.name)
         if wheel_name == name and wheel_version == version:
@@ -67,8 +72,9 @@ def requires_dist(name: str, version: Version, wheels: Path = WHEELS, target: st
         installed = None
     if installed is None or Version(installed.version) != version:
         pytest.fail(f"cannot read {name}=={version}'s requirements: no wheel in {wheels.name}/ and "
-                    f"{'not installed' if installed is None else f'{installed.version} installed'} here; "
-                    f"run make {target}")
+                    f"{'not installed' if installed is None else f'{installed.version} installed'} here; the "
+                    f"pin is not the venv's: make install installs the lock, make lock pins the lock's versions; "
+                    f"or make {target}")
     return [Requirement(r) for r in installed.requires or []]
 
 
@@ -108,82 +114,74 @@ def test_every_requirement_of_the_carried_wheels_is_met_there() -> None:
     assert not problems, "\n".join(problems)
 
 
-def _imports(path: Path, everywhere: bool) -> list[tuple[str, int]]:
-    """(module, line) of the imports of ``path``: module level (inside if/try too), or ``everywhere``; an
-    import inside a ``try`` that catches ImportError is optional and left out."""
-    found = []
-
-    def visit(nodes: list[ast.stmt]) -> None:
-        for node in nodes:
-            if isinstance(node, ast.Import):
-                found.extend((alias.name, node.lineno) for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                found.append((node.module, node.lineno))
-            elif isinstance(node, ast.ImportFrom) and node.level > 0:
-                base = ".".join(path.relative_to(REPO).with_suffix("").parts[:-node.level])
-                found.append((f"{base}.{node.module}" if node.module else base, node.lineno))
-                found.extend((f"{base}.{node.module + '.' if node.module else ''}{a.name}", node.lineno)
-                             for a in node.names)
-            elif _optional(node):
-                continue
-            elif everywhere or isinstance(node, (ast.If, ast.Try, ast.With)):
-                for field in ("body", "orelse", "finalbody", "handlers"):
-                    children = getattr(node, field, None) or []
-                    visit([c for c in children if isinstance(c, ast.stmt)] +
-                          [s for h in children if isinstance(h, ast.ExceptHandler) for s in h.body])
-    visit(ast.parse(path.read_text()).body)
-    return found
-
-
-def _optional(node: ast.stmt) -> bool:
-    """A ``try`` that catches ImportError, or ``if TYPE_CHECKING:``: its imports may be absent."""
-    if isinstance(node, ast.Try):
-        return any(isinstance(h.type, ast.Name) and h.type.id in ("ImportError", "ModuleNotFoundError")
-                   for h in node.handlers)
-    return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
-
-
-def _local_file(module: str) -> Path | None:
-    parts = module.split(".")
-    for end in range(len(parts), 0, -1):
-        base = REPO.joinpath(*parts[:end])
-        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
-            if candidate.is_file():
-                return candidate
-    return None
-
-
-def third_party_imports() -> dict[str, str]:
-    """Each top-level third-party module imported by what runs there -> where (file:line)."""
-    seen: set[Path] = set()
-    found: dict[str, str] = {}
-    todo = [(REPO / p, True) for p in ENTRY] + [(REPO / p, False) for p in COLLECTED]
-    while todo:
-        path, everywhere = todo.pop()
-        if path in seen:
-            continue
-        seen.add(path)
-        for module, line in _imports(path, everywhere):
-            top = module.split(".")[0]
-            if top in LOCAL:
-                for end in range(1, module.count(".") + 2):  # each package on the way runs its __init__
-                    local = _local_file(".".join(module.split(".")[:end]))
-                    if local is not None:
-                        todo.append((local, False))
-            elif top not in sys.stdlib_module_names and top != "__future__":
-                found.setdefault(top, f"{path.relative_to(REPO)}:{line}")
-    return found
+def provided(module: str, pins: dict, there: dict) -> bool:
+    """Whether the distribution that holds ``module`` (as installed here) is carried or on the machine."""
+    names = {canonicalize_name(n) for n in metadata.packages_distributions().get(module, [module])}
+    return bool(names & (set(pins) | set(there)))
 
 
 def test_every_import_of_the_code_that_runs_there_is_carried_or_there() -> None:
     pins, there = carried(), machine()
     providers = metadata.packages_distributions()
+    found = gpu.needed_modules()
+    # Imported only inside functions: a crawl of module-level imports alone misses them.
+    assert {"tqdm", "skimage", "psutil", "torch", "webdataset", "aistore", "hypothesis"} <= set(found), sorted(found)
     problems = []
-    for module, where in sorted(third_party_imports().items()):
-        names = {canonicalize_name(n) for n in providers.get(module, [module])}
-        if not names & (set(pins) | set(there)):
-            problems.append(f"{where} imports {module} ({', '.join(sorted(names))}): neither carried nor there")
+    for module, where in sorted(found.items()):
+        if not provided(module, pins, there):
+            names = ", ".join(sorted(canonicalize_name(n) for n in providers.get(module, [module])))
+            problems.append(f"{where} imports {module} ({names}): neither carried nor there")
     assert not problems, "\n".join(problems)
+
+
+def test_the_crawl_follows_imports_inside_functions_but_not_into_the_pods_side() -> None:
+    module_level = third_party_imports(gpu.run_files(), follow_functions=False)
+    assert "tqdm" not in module_level and "skimage" not in module_level  # imported inside functions only
+    assert {"tqdm", "skimage"} <= set(gpu.needed_modules())
+    everything = third_party_imports(gpu.run_files())
+    # The command line reaches the pod's server from a function; the run never calls it.
+    assert {"fastapi", "uvicorn"} <= set(everything) and not {"fastapi", "uvicorn"} & set(gpu.needed_modules())
+
+
+def test_what_the_machine_lacks_on_purpose_is_skipped_there() -> None:
+    everything = third_party_imports(gpu.run_files(), never_called=gpu.NEVER_CALLED)
+    pins, there = carried(), machine()
+    for module, skip in gpu.ABSENT.items():
+        assert module in everything, f"nothing the run reaches imports {module}: drop it from bench.gpu.ABSENT"
+        assert skip in gpu.EXPECTED_SKIPS and module not in gpu.needed_modules()
+        assert not provided(module, pins, there), f"{module} is there after all: drop it from bench.gpu.ABSENT"
+
+
+def test_the_wheels_are_the_pins_and_the_doc_states_their_count_and_size() -> None:
+    """What travels to the machine: exactly the pinned wheels, of the count and size docs/performance.md gives,
+    and with the working tree within the device tool's limit."""
+    wheels = gpu_wheels.fetched()
+    assert gpu.wheels_problem(wheels) is None
+    files = sorted(wheels.glob("*.whl"))
+    section = PERFORMANCE.read_text().split("\n## GPU\n", 1)[1]
+    stated = re.search(r"(\d+) wheels, ([\d.]+) MiB", section)
+    assert stated, "docs/performance.md, GPU: the carried wheels' count and size ('N wheels, X MiB')"
+    assert int(stated.group(1)) == len(files) == len(carried())
+    assert stated.group(2) == f"{sum(f.stat().st_size for f in files) / 2**20:.1f}", (
+        "docs/performance.md, GPU: the wheels' size is not what make gpu-wheels fetched")
+    # What travels: tracked files and untracked ones git does not ignore, and the carried folder.
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    tree = sum((REPO / name).stat().st_size for name in listed if name and (REPO / name).is_file())
+    assert tree + sum(f.stat().st_size for f in files) <= TRAVELS
+
+
+def test_a_missing_or_wrong_wheel_stops_the_run_at_once(tmp_path: Path) -> None:
+    assert gpu.wheels_problem(tmp_path / "absent").startswith(f"no wheels in {tmp_path / 'absent'}: run `make gpu")
+    wheels = tmp_path / "wheels"
+    shutil.copytree(gpu_wheels.fetched(), wheels)
+    assert gpu.wheels_problem(wheels) is None
+    (next(wheels.glob("webdataset-*.whl"))).unlink()
+    assert "missing webdataset==1.0.2; not pinned none" in gpu.wheels_problem(wheels)
+    done = subprocess.run([sys.executable, "-m", "bench.gpu", "--out", str(tmp_path / "out"), "--wheels", str(wheels)],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "bench.gpu: " in done.stderr and 'carry=[".gpu-wheels"]' in done.stderr
+    assert not (tmp_path / "out").exists()  # stopped before anything else
 
 
 def test_the_check_names_what_is_missing() -> None:

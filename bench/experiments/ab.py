@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from bench import data, services
-from bench.report import finish
+from bench.report import finish, stamp, stamp_line
 from bench.stats import median
 
 log = logging.getLogger("bench")
@@ -86,6 +86,7 @@ def measure(server: services.Server, shards: list[data.Shard], etl_args: str) ->
 def run(a: Path, b: Path, args: argparse.Namespace, work: Path) -> dict:
     from transformer.config import available_cpus
 
+    started = stamp()
     workers = args.workers or available_cpus()
     shards = data.demo_shards(work, args.shards, args.samples)
     etl_args = json.dumps({"preset": args.preset})
@@ -112,14 +113,16 @@ def run(a: Path, b: Path, args: argparse.Namespace, work: Path) -> dict:
     finally:
         for server in servers.values():
             server.stop()
-    return {"a": " ".join([str(a), *args.a_env]), "b": " ".join([str(b), *args.b_env]), "preset": args.preset,
+    return {"meta": started, "a": " ".join([str(a), *args.a_env]), "b": " ".join([str(b), *args.b_env]),
+            "preset": args.preset,
             "workers": workers,
             "images_per_round": sum(s.images for s in shards), "rounds": rounds}
 
 
 def report(results: dict) -> str:
     rounds = results["rounds"]
-    lines = [f"A = {results['a']}", f"B = {results['b']}",
+    lines = [stamp_line(results.get("meta", {})) + " (the commit of this checkout, which B names unless --b says "
+             "otherwise)", f"A = {results['a']}", f"B = {results['b']}",
              f"{len(rounds)} rounds of {results['images_per_round']} images ({results['preset']}, hpush etl_fqn, "
              f"{results['workers']} workers), A and B alternating first", "",
              "| figure | A median (min-max) | B median (min-max) | B/A median (min-max over rounds) |",

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.report import save_run
+from bench.report import save_run, stamp
 from testbed.shardgen import jpeg_bytes, make_tar
 
 CASES = ("list", "check", "read-whole")
@@ -127,6 +127,7 @@ def main() -> int:
     from transformer.client import register, unregister
 
     binary = install_aisnode(log=lambda message: print(message, file=sys.stderr))
+    started = stamp()
     namespace = enter_network_namespace(list(NODES.values()))
     try:
         with tempfile.TemporaryDirectory(prefix="bench-ais-") as root, \
@@ -142,7 +143,7 @@ def main() -> int:
         namespace.leave()
     return save_run(options.out, result, "The offline copy check, side by side",
                     f"python -m bench.experiments.copy_check --objects {options.objects} --rounds {options.rounds}",
-                    markdown(result))
+                    markdown(result), started)
 
 
 if __name__ == "__main__":

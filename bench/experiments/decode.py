@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from bench import compute, data, services
-from bench.report import finish, short_commit
+from bench.report import finish, stamp
 from bench.stats import median
 
 log = logging.getLogger("bench")
@@ -232,7 +232,8 @@ def run(args: argparse.Namespace, work: Path) -> dict:
 
 def report(results: dict) -> str:
     meta = results.get("meta", {})
-    lines = [f"`{meta.get('command', 'python -m bench.experiments.decode')}` at {meta.get('commit', '?')}: "
+    lines = [f"`{meta.get('command', 'python -m bench.experiments.decode')}` at {meta.get('commit', '?')}"
+             + (f", {meta['started']}" if "started" in meta else "") + ": "
              f"{len(results['rounds'])} rounds, {results['workers']} workers, imagenet-train, float32; "
              f"load average {meta.get('load_average_start_end')} (start, end) on {meta.get('cpus')} CPUs"]
     for name, costs in results["decode"].items():
@@ -263,12 +264,12 @@ def _spread(values: list[float], fmt: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s bench: %(message)s", datefmt="%H:%M:%S")
-    load = os.getloadavg()
+    load, started = os.getloadavg(), stamp()
     with contextlib.ExitStack() as stack:
         work = args.work or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-decode-")))
         results = run(args, work)
     command = "python -m bench.experiments.decode " + " ".join(argv or sys.argv[1:])
-    results["meta"] = {"commit": short_commit(), "command": command,
+    results["meta"] = {"commit": started["git"], "started": started["started"], "command": command,
                        "load_average_start_end": [round(load[0], 2), round(os.getloadavg()[0], 2)],
                        "cpus": os.cpu_count(), "torch": torch.__version__}
     return finish(results, args.json, report(results))

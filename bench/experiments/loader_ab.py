@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from bench import client_side, data
+from bench.report import git_state
 from bench.stats import median
 
 log = logging.getLogger("bench")
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s bench: %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("transformer").setLevel(logging.WARNING)
-    started = time.time()
+    started, git = time.time(), git_state()["git"]
     args.base = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", args.base], check=True,
                                capture_output=True, text=True).stdout.strip()
     with tempfile.TemporaryDirectory(prefix="wds-loader-ab-") as temporary:
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)], check=False)
     command = "python -m bench.experiments.loader_ab " + shlex.join(sys.argv[1:] if argv is None else argv)
-    results = {"runs": runs, "meta": {"command": command,
+    results = {"runs": runs, "meta": {"command": command, "git": git,
                                       "base": args.base, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z",
                                                                                   time.localtime(started)),
                                       "duration_s": round(time.time() - started, 1), "rounds": args.rounds,
@@ -110,7 +111,8 @@ print(json.dumps({"samples_per_s": samples / (time.monotonic() - start)}))
 def markdown(results: dict) -> str:
     meta = results["meta"]
     lines = [f"# make_loader in DataLoader workers: A = {meta['base']}, B = this checkout", "",
-             f"`{meta['command']}`, {meta['started']}, {meta['duration_s']:.0f} s; {meta['shards']} shards x "
+             f"`{meta['command']}`, B at commit {meta.get('git', 'unknown')}, {meta['started']}, "
+             f"{meta['duration_s']:.0f} s; {meta['shards']} shards x "
              f"{meta['samples']} samples (3x224x224) read {meta['passes']} times, batches of {meta['batch_size']}, "
              f"{meta['rounds']} round(s).", "",
              "| dtype | num_workers | shuffle_buffer | A samples/s | B samples/s | B/A per round |",

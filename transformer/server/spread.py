@@ -535,9 +535,9 @@ class SpreadPool:
 
     def _target(self) -> Link | None:
         """Where the next sample runs: None (here) while a thread here is free; else the least busy worker when
-        it holds fewer samples per thread than this one and fewer than two (one running, one waiting: its
-        threads never idle between a result and the next sample). A sample sent away costs the messages and
-        wake-ups of two processes: worth it only for a core that would idle."""
+        one of its threads is free, or when its queue is shorter than this one's by a sample per thread (no
+        ping-pong between equally busy workers: a sample sent away costs the messages and wake-ups of two
+        processes, worth it only for a core that would idle)."""
         local = self.local
         if local.busy < local.workers:
             return None
@@ -550,7 +550,7 @@ class SpreadPool:
             load = max(slot.busy, link.outstanding) / max(1, slot.threads)
             if load < best_load:
                 best, best_load = link, load
-        if best is None or best_load >= 2 or best_load >= local.busy / local.workers:
+        if best is None or (best_load >= 1 and best_load + 1 > local.busy / local.workers):
             return None
         return best
 
