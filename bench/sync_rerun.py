@@ -230,7 +230,7 @@ def main() -> int:
     finally:
         namespace.leave()
     command = f"python -m bench.sync_rerun --shards {options.shards} --rounds {options.rounds}"
-    header = (f"Commit {git['git']} ({git['commit']}), {started}; {cpu}, {os.cpu_count()} CPUs, shared with other "
+    header = (f"Commit: {git['git']} ({git['commit']}), {started}; {cpu}, {os.cpu_count()} CPUs, shared with other "
               f"jobs (load average {', '.join(f'{x:.1f}' for x in result['load_average'])} at the end); AIS 5.0 "
               "(aisnode v1.5.0), a proxy and two targets on this machine, each ETL pod a local process.")
     result.update(git=git, started=started, cpu=cpu, command=command)
