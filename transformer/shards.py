@@ -384,14 +384,18 @@ def _reason(exc: BaseException) -> str:
     return text if len(text) < 200 else text[:200] + "..."
 
 
+def member_header(member: Member) -> bytes:
+    """A member's header blocks: a passed-through member's own, byte for byte, or made from its ``info``."""
+    if member.header is not None:
+        return member.header
+    return ustar_header(member.info) or member.info.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8",
+                                                          errors="surrogateescape")
+
+
 def member_bytes(member: Member) -> Iterable[bytes | memoryview]:
     """A member as tar blocks: header, payload pieces, zero padding to the block size."""
     info = member.info
-    if member.header is not None:  # passed through: the input's own header blocks, byte for byte
-        yield member.header
-    else:
-        yield ustar_header(info) or info.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8",
-                                                errors="surrogateescape")
+    yield member_header(member)
     for piece in member.pieces:  # a member read into its own buffer goes out as a view (bytes-like, fixed)
         yield memoryview(piece) if type(piece) is bytearray else piece
     remainder = info.size % BLOCK

@@ -42,7 +42,7 @@ from ..errors import InternalError
 from ..options import TransformOptions
 from ..pool import Task, TransformPool
 from ..samples import member_kind, transform_into, transform_sample
-from ..shards import Member, Sample
+from ..shards import Member, Sample, member_header
 from . import arena as arenas
 from .board import Board
 from .ipc import portable, rebuilt, receive_into, send_parts
@@ -226,7 +226,7 @@ class Link:
             if isinstance(entry, int):
                 members.append(sample.members[entry])
                 continue
-            name, fields, places = entry
+            name, size, header, places = entry
             pieces = []
             for place in places:
                 if place[0] == "a":
@@ -235,10 +235,8 @@ class Link:
                     pieces.append(view[:place[1]])
                     view = view[place[1]:]
             info = tarfile.TarInfo(name)
-            info.size = sum(len(p) for p in pieces)
-            for field, value in zip(_TAR_FIELDS, fields):
-                setattr(info, field, value)
-            members.append(Member(info=info, pieces=pieces))
+            info.size = size
+            members.append(Member(info=info, pieces=pieces, header=header))
         return members
 
     # ---------------------------------------------------------------- serving: its samples here
@@ -316,7 +314,9 @@ class Link:
                         data.append(piece)
                     else:
                         places.append(("a", offset, size))
-                body.append((member.info.name, tuple(getattr(member.info, f) for f in _TAR_FIELDS), places))
+                # Its tar header made here, on the thread that transformed it: not on the leader's, which writes
+                # every sample of the shard in turn.
+                body.append((member.info.name, member.info.size, member_header(member), places))
             meta = pickle.dumps(("ok", body), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             self.send(RESULT, ident, meta, data)
