@@ -69,9 +69,10 @@ SPEC_FIELDS = {"name", "communication", "init_timeout", "obj_timeout", "support_
                "resources"}
 GO_DURATION = re.compile(r"^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$")
 # The sizing reasoning of k8s/etl-spec.yaml, as numbers: a shard of ~1000 images at the slow end of
-# 250-550 images/s per core, with many shard requests sharing the pod; memory as measured there.
+# 250-550 images/s per core, with many shard requests sharing the pod; memory as measured there (the pod with
+# worker processes under load, which the spec's CPUs give it).
 SHARD_IMAGES, SLOW_IMAGES_PER_CORE_S, CONCURRENT_SHARDS = 1000, 250, 64
-IDLE_MEMORY, WORST_MEMORY_PER_WORKER = int(0.4 * 2**30), int(0.7 * 2**30)
+IDLE_MEMORY, WORST_MEMORY_PER_WORKER = int(1.1 * 2**30), int(0.7 * 2**30)
 # PyPI torch's CUDA build only; nvImageCodec is the image's own (its CPU-only JPEG decoder runs without CUDA).
 CUDA_RUNTIME = re.compile(r"^(nvidia-(?!nvimgcodec-).*|cuda-.*|triton)$")
 START_TIMEOUT = 90.0

@@ -73,7 +73,7 @@ class Deploy:
                 return client.bucket(bucket_of(uri)).object(Path(path).name).get_writer().put_file(self.folder / path)
             case ["etl", "init", "-f", path]:
                 message = yaml.safe_load((spec or REPO / path).read_text())
-                if REAL_KUBERNETES:  # the spec's 4 CPUs per pod, on a 2-CPU node: it would never be scheduled
+                if REAL_KUBERNETES:  # the spec's CPUs per pod, on a 2-CPU node: it would never be scheduled
                     message["resources"] = {kind: {**values, "cpu": "500m"}
                                             for kind, values in message["resources"].items()}
                 return client.etl(message["name"])._client.request("PUT", path="etl", json=message, timeout=600)
