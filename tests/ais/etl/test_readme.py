@@ -73,8 +73,9 @@ class Deploy:
                 return client.bucket(bucket_of(uri)).object(Path(path).name).get_writer().put_file(self.folder / path)
             case ["etl", "init", "-f", path]:
                 message = yaml.safe_load((spec or REPO / path).read_text())
-                if REAL_KUBERNETES:  # the spec's CPUs per pod, on a 2-CPU node: it would never be scheduled
-                    message["resources"] = {kind: {**values, "cpu": "500m"}
+                if REAL_KUBERNETES:  # the spec's 8 CPUs and 8 GiB per pod, two pods per ETL, two ETLs at once on
+                    # a 2-CPU, 24 GB node: the second ETL's pods would stay Pending until init_timeout
+                    message["resources"] = {kind: {**values, "cpu": "500m", "memory": "2Gi"}
                                             for kind, values in message["resources"].items()}
                 return client.etl(message["name"])._client.request("PUT", path="etl", json=message, timeout=600)
             case ["etl", "show"]:
