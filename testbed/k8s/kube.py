@@ -252,8 +252,10 @@ class RealKubernetes:
     def oom_kill(self, pod: RealPod, timeout: float = 30.0) -> None:
         """Have the kernel's OOM killer end the pod's main process at its memory limit, at once: the main process
         is made the first choice (``oom_score_adj`` 1000), the container's limit is lowered to what it uses now, and
-        the next allocation in the container (the pod's own, mid-shard, or a process run in it with ``kubectl
-        exec``) finds the cgroup out of memory."""
+        a process run in it with ``kubectl exec`` allocates until the cgroup is out of memory. It writes every page
+        it takes: untouched pages (``bytearray(n)`` is calloc, fresh zero pages) are never charged, and the kernel
+        first reclaims the container's page cache (the image's libraries, counted in its usage), so only memory
+        that keeps growing is sure to reach the OOM killer."""
         limits = pod.obj["spec"]["containers"][0].get("resources", {}).get("limits", {})
         if not limits.get("memory"):
             raise ValueError(f"pod {pod.name} has no memory limit: an OOM kill would be the whole node's")
@@ -261,7 +263,8 @@ class RealKubernetes:
         Path(f"/proc/{pid}/oom_score_adj").write_text("1000")
         usage = int((cgroup / "memory.usage_in_bytes").read_text())
         (cgroup / "memory.limit_in_bytes").write_text(str(usage + (1 << 20)))
-        allocate = self.node.kubectl_command("exec", pod.name, "--", "python", "-c", "b = bytearray(64 << 20)")
+        allocate = self.node.kubectl_command("exec", pod.name, "--", "python", "-c",
+                                               "b = []\nwhile True:\n    b.append(b'x' * (64 << 20))")
         exec_ = subprocess.Popen(allocate, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                  preexec_fn=self.node.enter_netns)
         try:
