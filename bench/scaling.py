@@ -514,14 +514,19 @@ def _ratios(inflight: list[Case]) -> dict:
     """Per shards-in-flight count: the processes design's CPU per image over the threads design's, per round."""
     found: dict = {}
     for count in sorted({c.inflight for c in inflight}):
-        pairs = []
+        pairs, totals = [], {}
         for rnd in sorted({c.round for c in inflight}):
             by = {c.design: c for c in inflight if c.inflight == count and c.round == rnd}
             if "threads" in by and "processes" in by and by["threads"].cpu_ms_per_image:
                 pairs.append(by["processes"].cpu_ms_per_image / by["threads"].cpu_ms_per_image)
+                for design in ("threads", "processes"):
+                    cpu, images = totals.get(design, (0.0, 0))
+                    totals[design] = (cpu + by[design].pod_cpu, images + by[design].images)
         if pairs:
+            # pooled: all rounds' pod CPU over all their images, per design (a slow round weighs by its images)
+            pooled = (totals["processes"][0] / totals["processes"][1]) / (totals["threads"][0] / totals["threads"][1])
             found[str(count)] = {"median": statistics.median(pairs), "min": min(pairs), "max": max(pairs),
-                                 "rounds": pairs}
+                                 "pooled": pooled, "rounds": pairs}
     return found
 
 
@@ -548,9 +553,10 @@ def markdown(result: dict) -> str:
                                  f"{_median(cases, 'cores_used'):.2f} | {_median(cases, 'machine_cores'):.2f} | "
                                  f"{_median(cases, 'cpu_ms_per_image'):.2f} |")
         lines += ["", "Pod CPU per image, processes over threads, per round (the two pods taken in turns):\n",
-                  "| shards in flight | median | range | rounds |", "|---|---|---|---|"]
+                  "| shards in flight | median | range | all rounds pooled | rounds |", "|---|---|---|---|---|"]
         for count, ratio in result["ratios"].items():
-            lines.append(f"| {count} | {ratio['median']:.3f} | {ratio['min']:.3f}-{ratio['max']:.3f} | "
+            pooled = f"{ratio['pooled']:.3f}" if "pooled" in ratio else ""
+            lines.append(f"| {count} | {ratio['median']:.3f} | {ratio['min']:.3f}-{ratio['max']:.3f} | {pooled} | "
                          f"{', '.join(f'{r:.3f}' for r in ratio['rounds'])} |")
     if result["comms"]:
         lines += ["", f"## The server process's GIL by comm type ({result['comms'][0]['inflight']} shards in flight)\n",
@@ -701,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(REPO_ROOT / "bench" / "results" / "scaling"))
     parser.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "bench-scaling"))
     parser.add_argument("--seconds", type=float, default=15.0, help="time per case")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of the shards-in-flight cases")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of the shards-in-flight cases")
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--samples", type=int, default=1000)
     parser.add_argument("--inflight", type=lambda text: [int(n) for n in text.split(",")], default=[1, 2, 4])

@@ -2,7 +2,7 @@
 
 One slot per worker, each field written by that worker alone and read by everyone: its heartbeat
 (``time.monotonic()``, one clock for every process of the host), how many samples its threads hold
-(queued or running), how many threads it has, and how many shards it finished leading. The server
+(queued or running), how many threads it has, how many shards it leads now and how many it finished leading. The server
 reads the heartbeats to find a stuck worker and the finished shards to know how many a worker still
 leads; a shard's leader reads the loads to choose where a sample runs (``spread.SpreadPool``). A
 single writer per field and 8-byte aligned stores: no lock, and a reader sees the old value or the
@@ -23,7 +23,8 @@ class Slot(ctypes.Structure):
         ("threads", ctypes.c_int64),  # its transform threads
         ("finished", ctypes.c_int64),  # shards it finished leading (the server counts those it sent)
         ("pid", ctypes.c_int64),
-        ("_pad", ctypes.c_int64 * 3),  # one cache line per slot: no false sharing between writers
+        ("leading", ctypes.c_int64),  # shards it leads now
+        ("_pad", ctypes.c_int64 * 2),  # one cache line per slot: no false sharing between writers
     ]
 
 
@@ -47,7 +48,7 @@ class Board:
     def reset(self, index: int) -> None:
         """A new worker in slot ``index``: no heartbeat, no load, no shards (server, before it starts)."""
         slot = self.slots[index]
-        slot.beat, slot.busy, slot.threads, slot.finished, slot.pid = 0.0, 0, 0, 0, 0
+        slot.beat, slot.busy, slot.threads, slot.finished, slot.pid, slot.leading = 0.0, 0, 0, 0, 0, 0
 
     def age(self, index: int, now: float) -> float:
         """Seconds since slot ``index``'s last heartbeat (infinite before the first)."""

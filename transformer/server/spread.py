@@ -534,24 +534,23 @@ class SpreadPool:
         return task
 
     def _target(self) -> Link | None:
-        """Where the next sample runs: None (here) while a thread here is free; else the least busy worker when
-        one of its threads is free, or when its queue is shorter than this one's by a sample per thread (no
-        ping-pong between equally busy workers: a sample sent away costs the messages and wake-ups of two
-        processes, worth it only for a core that would idle)."""
+        """Where the next sample runs: None (here) while a thread here is free; else the least busy worker with a
+        free thread, or one that leads no shard of its own and whose queue is shorter than this one's by a sample
+        per thread. A sample sent away costs the messages and wake-ups of two processes, worth it only for a core
+        that would idle: two workers that each lead a shard never trade samples to even out their queues."""
         local = self.local
         if local.busy < local.workers:
             return None
         board, now = self.peers.board, time.monotonic()
+        mine = local.busy / local.workers
         best, best_load = None, float("inf")
         for link in self.peers.links():
             if board.age(link.index, now) > SUSPECT_SECONDS:
                 continue
             slot = board.slots[link.index]
             load = max(slot.busy, link.outstanding) / max(1, slot.threads)
-            if load < best_load:
+            if load < best_load and (load < 1 or (slot.leading == 0 and load + 1 <= mine)):
                 best, best_load = link, load
-        if best is None or (best_load >= 1 and best_load + 1 > local.busy / local.workers):
-            return None
         return best
 
     def close(self) -> None:

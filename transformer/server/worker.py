@@ -203,6 +203,8 @@ class _Worker:
         report = ShardReport(job.shard, job.object_name, job.options.on_error)
         counted = Counting(stream, job.shard, job.limit)
         spread = SpreadPool(self.peers, job.options)
+        with self._finished_lock:
+            self.slot.leading += 1
         try:
             with self._fetched(job, fds) as fetched:
                 if fetched is not None:
@@ -224,6 +226,7 @@ class _Worker:
             stream.close()
             reply.close()
             with self._finished_lock:
+                self.slot.leading -= 1
                 self.slot.finished += 1
 
     def _fetched(self, job: WorkerJob, fds: list[int]) -> contextlib.AbstractContextManager:
