@@ -9,6 +9,7 @@ figure of the headline run is ever typed by hand. Every sentence here holds what
 from __future__ import annotations
 
 import json
+import shlex
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
@@ -187,11 +188,26 @@ def table_rows(run: Run, full: bool) -> list[str]:
     return lines
 
 
+def command(meta: dict) -> str:
+    """The run's command as the docs show it: without ``--out``, whose folder (an absolute path on the machine that
+    measured, bench.headline's choice) the report's link names anyway."""
+    words, shown = shlex.split(meta["command"]), []
+    skip = False
+    for word in words:
+        if skip:
+            skip = False
+        elif word == "--out":
+            skip = True
+        elif not word.startswith("--out="):
+            shown.append(word)
+    return shlex.join(shown)
+
+
 def table(run: Run, folder: str, link: str, full: bool) -> list[str]:
     """Where the figures come from (command, commit, date, duration, machine, load, report), then the table."""
     meta, machine = run.meta, run.meta["machine"]
     start, end = machine.get("load_average_start") or [None], machine["load_average_end"]
-    source = (f"Measured by `{meta['command']}` at commit {meta['git']} on {meta['started']}, in "
+    source = (f"Measured by `{command(meta)}` at commit {meta['git']} on {meta['started']}, in "
               f"{meta['duration_s'] / 60:.1f} min: {machine['cpus_usable']} usable CPUs ({machine['cpu']}, GPU: "
               f"{machine['gpu'] or 'none'}), load average {start[0]} at the start and {end[0]} at the end (1 minute; "
               f"other jobs shared these cores), report [`{folder}/results.md`]({link}{folder}/results.md).")
@@ -275,7 +291,7 @@ def previous(run: Run, folder: Path) -> list[str]:
     old = Run(json.loads(path.read_text()))
     om, nm = old.meta, run.meta
     lines = prose(f"The headline run this one replaced is kept beside its report as `previous.json` (that run's "
-                  f"`results.json`): `{om['command']}` at commit {om['git']} on {om['started']}, load average "
+                  f"`results.json`): `{command(om)}` at commit {om['git']} on {om['started']}, load average "
                   f"{(om['machine'].get('load_average_start') or ['–'])[0]} at the start and "
                   f"{om['machine']['load_average_end'][0]} at the end; its figures measure that commit's code. "
                   f"{PRESET}, float32; the last column is the change (in points for a fraction of the limit):")
