@@ -26,14 +26,13 @@ import platform
 import re
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.report import git_state, save_run
+from bench.report import save_run, stamp
 
 CASES = ("rerun", "one-changed")
 ETL = "bench-sync-rerun"
@@ -207,35 +206,21 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("bench/results/sync-rerun"))
     options = parser.parse_args()
-    from testbed.cluster import install_aisnode
-    from testbed.etl_cluster import NODES, enter_network_namespace, settings, start_etl_cluster
-    from transformer.client import register, unregister
+    from testbed.etl_cluster import cluster_with_etl, settings
 
-    git = git_state()
-    started = time.strftime("%Y-%m-%d %H:%M %Z")
+    started = stamp()
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
-    binary = install_aisnode(log=lambda message: print(message, file=sys.stderr))
-    namespace = enter_network_namespace(list(NODES.values()))
-    try:
-        with tempfile.TemporaryDirectory(prefix="bench-ais-") as root, \
-                start_etl_cluster(binary, Path(root) / "cluster") as cluster:
-            client = cluster.client()
-            register(client, ETL, settings("hpush", transforms=TRANSFORMS))
-            try:
-                result = measure(cluster, client, shards=options.shards, rounds=options.rounds,
-                                 progress=lambda line: print(line, flush=True))
-            finally:
-                unregister(client, ETL)
-    finally:
-        namespace.leave()
+    with cluster_with_etl(ETL, settings("hpush", transforms=TRANSFORMS)) as (cluster, client):
+        result = measure(cluster, client, shards=options.shards, rounds=options.rounds,
+                         progress=lambda line: print(line, flush=True))
     command = f"python -m bench.sync_rerun --shards {options.shards} --rounds {options.rounds}"
-    header = (f"Commit: {git['git']} ({git['commit']}), {started}; {cpu}, {os.cpu_count()} CPUs, shared with other "
-              f"jobs (load average {', '.join(f'{x:.1f}' for x in result['load_average'])} at the end); AIS 5.0 "
-              "(aisnode v1.5.0), a proxy and two targets on this machine, each ETL pod a local process.")
-    result.update(git=git, started=started, cpu=cpu, command=command)
+    header = (f"{cpu}, {os.cpu_count()} CPUs, shared with other jobs (load average "
+              f"{', '.join(f'{x:.1f}' for x in result['load_average'])} at the end); AIS 5.0 (aisnode v1.5.0), a proxy "
+              "and two targets on this machine, each ETL pod a local process.")
+    result.update(**started, cpu=cpu, command=command)
     return save_run(options.out, result, "wds-transform sync: a re-run over up-to-date shards", command,
-                    markdown(result, header))
+                    markdown(result, header), started)
 
 
 if __name__ == "__main__":

@@ -451,6 +451,30 @@ def settings(comm_type: str = "hpush", **kwargs) -> EtlSettings:
     return EtlSettings(comm_type=comm_type, **kwargs)
 
 
+@contextlib.contextmanager
+def cluster_with_etl(name: str, etl: EtlSettings):
+    """A benchmark's cluster: ``aisnode`` built once, a proxy and two targets in a network namespace of their own, in
+    a temporary folder, with the ETL ``name`` registered from ``etl``; yields (cluster, client), and unregisters
+    the ETL, stops the cluster and leaves the namespace after."""
+    from transformer.client import register, unregister
+
+    from .cluster import install_aisnode
+
+    binary = install_aisnode(log=lambda message: print(message, file=sys.stderr))
+    namespace = enter_network_namespace(list(NODES.values()))
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-ais-") as root, \
+                start_etl_cluster(binary, Path(root) / "cluster") as cluster:
+            client = cluster.client()
+            register(client, name, etl)
+            try:
+                yield cluster, client
+            finally:
+                unregister(client, name)
+    finally:
+        namespace.leave()
+
+
 def main() -> int:
     from .cluster import install_aisnode
 

@@ -24,7 +24,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -122,25 +121,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench/results/copy-check"))
     options = parser.parse_args()
-    from testbed.cluster import install_aisnode
-    from testbed.etl_cluster import NODES, enter_network_namespace, settings, start_etl_cluster
-    from transformer.client import register, unregister
+    from testbed.etl_cluster import cluster_with_etl, settings
 
-    binary = install_aisnode(log=lambda message: print(message, file=sys.stderr))
     started = stamp()
-    namespace = enter_network_namespace(list(NODES.values()))
-    try:
-        with tempfile.TemporaryDirectory(prefix="bench-ais-") as root, \
-                start_etl_cluster(binary, Path(root) / "cluster") as cluster:
-            client = cluster.client()
-            register(client, "bench-copy-check", settings("hpush"))
-            try:
-                result = measure(client, "bench-copy-check", objects=options.objects, rounds=options.rounds,
-                                 progress=lambda line: print(line, flush=True))
-            finally:
-                unregister(client, "bench-copy-check")
-    finally:
-        namespace.leave()
+    with cluster_with_etl("bench-copy-check", settings("hpush")) as (_, client):
+        result = measure(client, "bench-copy-check", objects=options.objects, rounds=options.rounds,
+                         progress=lambda line: print(line, flush=True))
     return save_run(options.out, result, "The offline copy check, side by side",
                     f"python -m bench.experiments.copy_check --objects {options.objects} --rounds {options.rounds}",
                     markdown(result), started)
