@@ -32,7 +32,7 @@ from torchvision.transforms.v2.functional._geometry import (
     _do_native_uint8_resize_on_cpu,
 )
 
-from .errors import OptionsError
+from .errors import OptionsError, StepRefused
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -117,7 +117,12 @@ class Pipeline:
         """
         with _RNG_LOCK:
             torch.default_generator.manual_seed((seed + index * _GOLDEN) & (2**63 - 1))
-            return _decide(self.transforms[index], flat)
+            try:
+                return _decide(self.transforms[index], flat)
+            except MemoryError:
+                raise
+            except Exception as exc:  # the step's check of its inputs refused them (a mask of another size)
+                raise StepRefused(exc) from exc
 
     def apply(self, inputs: list[Any], seed: int, max_pixels: int | None = None, *, start: int = 0,
               stop: int | None = None, decisions: list | None = None) -> list[Any]:
@@ -127,6 +132,9 @@ class Pipeline:
         anything (``ValueError``): an ordinary ``Resize(256)`` of a 1 x 100000 image, or a huge ``Pad``
         or ``CenterCrop``, would otherwise ask for gigabytes and get the pod OOM-killed. ``decisions``
         (one per step from ``start``, as ``decide`` returns them) replaces the draws.
+
+        A step that refuses the sample raises ``StepRefused`` (the sample's own failure); anything raised
+        between the steps is the pod's.
         """
         flat = list(inputs)
         stop = len(self.transforms) if stop is None else stop
@@ -137,11 +145,16 @@ class Pipeline:
                 needs, params = decision
                 if max_pixels is not None and flat:
                     check_canvas(transform, params, flat[0], max_pixels)
-                direct = _direct_step(transform, params, flat[0]) if len(flat) == 1 and needs[0] else None
-                if direct is not None:
-                    flat = [direct]
-                else:
-                    flat = [transform.transform(x, params) if need else x for x, need in zip(flat, needs)]
+                try:
+                    direct = _direct_step(transform, params, flat[0]) if len(flat) == 1 and needs[0] else None
+                    if direct is not None:
+                        flat = [direct]
+                    else:
+                        flat = [transform.transform(x, params) if need else x for x, need in zip(flat, needs)]
+                except MemoryError:
+                    raise
+                except Exception as exc:  # e.g. a crop larger than the image, a kernel refusing a shape
+                    raise StepRefused(exc) from exc
         return flat
 
 
@@ -226,19 +239,23 @@ def known_canvas(transform: v2.Transform, height: int, width: int) -> tuple[int,
 
 
 def check_canvas(transform: v2.Transform, params: dict[str, Any], first: Any, max_pixels: int) -> None:
-    """Predict the step's output size, from its size rule or on a one-box ``BoundingBoxes`` (no pixels)."""
+    """Predict the step's output size, from its size rule or on a one-box ``BoundingBoxes`` (no pixels);
+    ``StepRefused`` when it is over ``max_pixels`` or the step refuses the probe."""
     height, width = first.shape[-2:]
     known = known_canvas(transform, height, width)
     if known is not None:
         out_height, out_width = known
     else:
         probe = tv_tensors.BoundingBoxes(torch.zeros(1, 4), format="XYXY", canvas_size=(height, width))
-        out_height, out_width = transform.transform(probe, params).canvas_size
+        try:
+            out_height, out_width = transform.transform(probe, params).canvas_size
+        except Exception as exc:
+            raise StepRefused(exc) from exc
     if out_height * out_width > max_pixels:
-        raise ValueError(
+        raise StepRefused(ValueError(
             f"{type(transform).__name__} would turn {height}x{width} into {out_height}x{out_width} = "
             f"{out_height * out_width} pixels, over the limit of {max_pixels} (ETL_MAX_IMAGE_PIXELS)"
-        )
+        ))
 
 
 def _decide(transform: v2.Transform, flat: list[Any]) -> tuple[list[bool], dict[str, Any]] | None:

@@ -61,6 +61,7 @@ from .worker import (
     OFFER_WS,
     RAW,
     READY,
+    STOP,
     WorkerConfig,
     WorkerJob,
     worker_main,
@@ -344,7 +345,9 @@ class _Worker:
             socket.send_fds(self.control, [pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)], fds)
 
     def stop(self) -> None:
-        self.control.close()  # the worker's control loop ends at its end of the socket
+        with contextlib.suppress(OSError):  # a worker that died meanwhile: nothing to tell
+            self.send((STOP,), [])
+        self.control.close()
         self.process.join(10)
         if self.process.is_alive():
             self.process.kill()

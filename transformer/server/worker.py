@@ -23,6 +23,7 @@ code) and starts another.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import logging
 import os
@@ -30,9 +31,11 @@ import pickle
 import signal
 import socket
 import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import NoReturn
 
 from ..config import Settings
 from ..engine import ShardReport, Write, transform_shard
@@ -58,6 +61,8 @@ _FRAME = 4 << 20  # relayed output gathered into frames of about this size: one 
 _FLUSH_SECONDS = 0.05
 FEED = 1 << 20  # input read and piped in pieces of this size when it is not a file
 READY = b"ready"  # a worker's first message, once its transform threads run
+STOP = "stop"  # the server's last message: finish and exit (its control socket closing without it: the server died)
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 OOM_SCORE_ADJ = 500  # added to the server's: the kernel's OOM killer takes a worker before the server
 _BEAT_SECONDS = 0.5
 _STATS_SECONDS = 2.0
@@ -102,7 +107,9 @@ def report_state(report: ShardReport) -> dict:
 
 def worker_main(control: socket.socket, config: WorkerConfig) -> None:
     """A worker process: lead the shards the server sends, serve the other workers' samples, until the server
-    closes ``control``."""
+    says ``STOP``. Should the server die instead (its end of ``control`` closes without it), the process exits
+    at once: a shard whose server is gone is cut, never completed by an orphan."""
+    _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and SIGTERM are the server's to act on
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
@@ -126,10 +133,12 @@ def worker_main(control: socket.socket, config: WorkerConfig) -> None:
             try:
                 message, fds, _, _ = socket.recv_fds(control, 1 << 20, 2)
             except OSError:
-                return
+                message = b""
             if not message:
-                return  # the server closed its end
+                _orphaned(config)
             kind, *rest = pickle.loads(message)
+            if kind == STOP:
+                return
             if kind == "job":
                 threading.Thread(target=worker.lead, args=(rest[0], fds), name=f"shard {rest[0].shard}",
                                  daemon=True).start()
@@ -142,6 +151,23 @@ def worker_main(control: socket.socket, config: WorkerConfig) -> None:
     finally:
         peers.close()
         pool.shutdown()
+
+
+def _die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when its parent (the fork server, which exits when the server
+    process does) ends: a stopped worker, which reads no end of ``control``, still goes with its server."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _orphaned(config: WorkerConfig) -> NoReturn:
+    """The server process is gone (``control`` ended without ``STOP``): exit now. The shards this worker leads
+    are cut where they stand (their connections close with the process), and nothing is run to completion."""
+    log.error("transform worker %d (pid %d): the server process is gone; exiting, the shards it leads cut",
+              config.index, os.getpid())
+    logging.shutdown()
+    os._exit(70)
 
 
 def _raise_oom_score() -> None:
