@@ -247,7 +247,7 @@ class _Relay:
 
     Why: the driver thread waking once per sample, on cores it shares with the transform threads, to
     take the GIL and write what another thread just made, costs throughput that a side-by-side run
-    shows (docs/performance.md, "Who writes the output"). Here the transform thread that completes the
+    shows (docs/design.md, "Who writes the output"). Here the transform thread that completes the
     oldest unwritten sample writes it and every later one already done, holding the writer role (one
     thread at a time, ``_writing``); the driver only reads and refills the window.
 

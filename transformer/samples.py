@@ -39,7 +39,7 @@ Image.MAX_IMAGE_PIXELS = None
 # torchvision's decoder, called as the op ``torchvision.io.decode_image`` calls (input, mode, apply EXIF
 # orientation). The wrapper adds a DeprecationWarning per call (torchvision 0.29 moves decoding to
 # TorchCodec) and an op lookup by name: Python holding the GIL the other threads wait for (the A/B is
-# in docs/performance.md). tests/test_samples.py checks the two agree.
+# in docs/design.md). tests/test_samples.py checks the two agree.
 _decode_op = torch.ops.image.decode_image.default
 
 

@@ -171,7 +171,7 @@ def _direct_step(transform: v2.Transform, params: dict[str, Any], image: Any) ->
     and crop functions: Python per step that holds the GIL the other transform threads and the shard
     driver wait for, a large share of the service's GIL time under ``py-spy --gil``. Here the crop is
     the same slice and the resize the same ``interpolate`` call with the same arguments as
-    ``resize_image`` makes for uint8 CPU images (docs/performance.md gives the figures). Anything else
+    ``resize_image`` makes for uint8 CPU images (docs/design-decoding.md gives the figures). Anything else
     (other steps, masks, several images, float or CUDA tensors, another interpolation, a crop reaching
     past the edge) returns None and takes v2's own path;
     ``tests/test_spec.py`` checks the outputs are identical, pixel for pixel, to ``transform.transform``.
@@ -216,7 +216,7 @@ def resize_uint8(image: torch.Tensor, size: Sequence[int], antialias: bool | Non
 
 
 # Steps whose output canvas is known without running anything (hot path: the probe below runs dozens of
-# small torch ops per step under GIL contention; docs/performance.md gives the A/B against probing all).
+# small torch ops per step under GIL contention; docs/design.md gives the A/B against probing all).
 # Pixel-value and same-canvas geometric steps keep the input's size; these crops and resizes output
 # their own ``size`` (or torchvision's resize rule). Everything else is probed.
 # tests/test_canvas_fast_path.py checks every entry against the probe.
