@@ -98,16 +98,24 @@ class RemoteTask:
                 log.exception("a transform task's completion callback failed")
 
     def run_here(self, pool: TransformPool) -> None:
-        """Run the sample on this process's threads (its worker is gone); this task completes with it."""
+        """Run the sample on this process's threads (its worker is gone); this task completes with it, or fails
+        its shard: a sample adopted from a lost worker is never skipped."""
+        assert self.sample is not None
+        key = self.sample.key
         local = Task(transform_sample, (self.sample, self.options, self.shard, self.object_name),
-                     lambda: self._adopt(local))
-        pool.run(local)
+                     lambda: self._adopt(local, key))
+        try:
+            pool.run(local)
+        except RuntimeError as exc:  # this process is stopping: its pool takes no more
+            self.finish(None, InternalError(f"shard '{self.shard}': sample '{key}' was lost with its transform "
+                                            f"worker and could not run again here: {exc}"))
 
-    def _adopt(self, local: Task) -> None:
+    def _adopt(self, local: Task, key: str) -> None:
         try:
             value = local.result()
-        except CancelledError:
-            self.finish(None, InternalError(f"shard '{self.shard}': sample '{self.sample.key}' was cancelled"))
+        except CancelledError:  # this process's pool is shutting down
+            self.finish(None, InternalError(f"shard '{self.shard}': sample '{key}' was lost with its transform "
+                                            "worker, and its run here was cancelled"))
         except BaseException as exc:
             self.finish(None, exc)
         else:
@@ -494,10 +502,13 @@ class Peers:
             task.run_here(self.pool)
 
     def close(self) -> None:
+        """This process is stopping: every link ends; a sample of ours still out fails its shard by name."""
         with self._lock:
             links, self._links = list(self._links.values()), {}
         for link in links:
-            link.close()
+            for task in link.close():
+                task.finish(None, InternalError(f"shard '{task.shard}': transform worker {self.index} is stopping "
+                                                f"with a sample out at worker {link.index}"))
             link.sock.close()
 
 

@@ -26,6 +26,7 @@ import contextlib
 import ctypes
 import dataclasses
 import logging
+import multiprocessing.forkserver
 import os
 import pickle
 import signal
@@ -154,8 +155,19 @@ def worker_main(control: socket.socket, config: WorkerConfig) -> None:
 
 
 def _die_with_parent() -> None:
-    """Have the kernel SIGKILL this process when its parent (the fork server, which exits when the server
-    process does) ends: a stopped worker, which reads no end of ``control``, still goes with its server."""
+    """Have the kernel SIGKILL this process when its parent, the fork server, ends: a stopped worker, which reads
+    no end of ``control``, still goes with its server.
+
+    The fork server exits once every copy of its liveness pipe's write end is closed. multiprocessing gives one
+    to each process it forks, for processes that start their own; a worker starts none, and its copy would keep
+    the fork server, and so every worker, alive after the server died: closed here.
+    """
+    fork_server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    alive = getattr(fork_server, "_forkserver_alive_fd", None)
+    if isinstance(alive, int):
+        with contextlib.suppress(OSError):
+            os.close(alive)
+        fork_server._forkserver_alive_fd = None  # type: ignore[union-attr]
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
