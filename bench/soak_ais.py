@@ -14,9 +14,12 @@ unprivileged user namespace). The soak registers ETLs of its own, one per commun
   images, decompression bombs, odd member names, gzip, cut tars, not a tar, a sample failing under
   ``on_error=fail``);
 * offline copies of the good shards (``transform_bucket``, through the hpush ETL, or the first one);
-* every ``--kill-every`` seconds one pod of the next ETL in turn is killed (``kube.kill``: SIGKILL, as
-  a node losing it); AIS aborts that ETL on every target, and the soak starts it again as an
-  operator would (``Etl.start``).
+* every ``--kill-every`` seconds one pod of the next ETL in turn is killed: with ``--kill pod`` every
+  process of it (``kube.kill``: SIGKILL, as a node losing it), with ``--kill server`` its server
+  process alone (its worker processes must then go by themselves: within 15 s none may be left, and
+  a shard in flight is cut, never completed short); AIS aborts that ETL on every target, and the
+  soak starts it again as an operator would (``Etl.start``). ``--processes N`` gives each pod N
+  transform worker processes, the design of pods with more than 4 CPUs, on any machine.
 
 Every sample delivered is compared with a reference: the first clean read of each shard (seeded ETLs
 give the same bytes for the same seed, epoch, object and key; the communication types agree; an
@@ -43,6 +46,7 @@ import logging
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -58,6 +62,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 COMMS = ("hpush", "hpull", "ws")
 SEED = 11
 EPOCHS = (0, 1)
+LEFT_SECONDS = 15.0  # a killed pod's processes must all be gone within this
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,8 @@ class Options:
     offline_every: float = 20.0
     guard_offline: bool = True  # start offline copies only while the ETL is Running (see Soak._offline_turn)
     comms: tuple[str, ...] = COMMS
+    processes: int = 0  # transform worker processes per pod; 0: the pod's own choice for this machine's CPUs
+    kill: str = "pod"  # "pod": every process of it; "server": the server process alone
     prefix: str = "soak"
     seed: int = 1
     bounds: Bounds = field(default_factory=Bounds)
@@ -270,6 +277,7 @@ class Kill:
     aborted_s: float | None = None  # AIS lists the ETL as Aborted
     pods_gone_s: float | None = None  # AIS deleted every pod of it
     running_s: float | None = None  # started again, Running, one pod per target
+    left: int | None = None  # processes of the pod still alive LEFT_SECONDS after the kill
     start_errors: list[str] = field(default_factory=list)
     error: str = ""
 
@@ -281,6 +289,33 @@ class Kill:
     def window(self) -> tuple[float, float]:
         """From the kill until the ETL was Running again (open-ended if it never was)."""
         return self.at, self.at + (self.running_s if self.running_s is not None else 1e9)
+
+
+def _process_tree(pid: int) -> list:
+    """The process ``pid`` and every process it started (a pod's server, its fork server and workers)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _left(processes: list, deadline: float) -> int:
+    """How many of ``processes`` are still alive (not zombies) at ``deadline``; returns as soon as none is."""
+    import psutil
+
+    def alive() -> int:
+        count = 0
+        for process in processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                count += process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+        return count
+
+    while (count := alive()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return count
 
 
 # ------------------------------------------------------------------------------------------------- gate
@@ -392,9 +427,10 @@ class Soak:
                 reference.object(name).get_writer().put_content(shard.whole)
         self.kinds = kinds(options, hostile)
         started = time.monotonic()
+        design = {"workers": 2, "env": {"ETL_PROCESSES": str(options.processes)}} if options.processes else {}
         for comm, etl in self.etls.items():
             register(self.client, etl, settings(comm, preset="imagenet-train", seed=SEED, obj_timeout="120s",
-                                                init_timeout="300s"))
+                                                init_timeout="300s", **design))
         self.progress(f"registered {', '.join(self.etls.values())} in {time.monotonic() - started:.0f} s")
         every = [*self.kinds, *(offline_kind(i) for i in range(options.shards))]
         for comm, etl in self.etls.items():
@@ -615,8 +651,17 @@ class Soak:
         victim = rng.choice(pods)
         self.prober.set_pods(etl, [])
         kill = Kill(etl, victim.name, time.monotonic())
-        self.progress(f"{self._elapsed():6.0f} s: killing pod {victim.name}")
-        kube.kill(victim)
+        pod = _process_tree(victim.container.pid)
+        self.progress(f"{self._elapsed():6.0f} s: killing {'the server of ' * (self.options.kill == 'server')}"
+                      f"pod {victim.name} ({len(pod)} processes)")
+        if self.options.kill == "server":
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim.container.pid, signal.SIGKILL)
+        else:
+            kube.kill(victim)
+        kill.left = _left(pod, kill.at + LEFT_SECONDS)
+        if kill.left:
+            self.progress(f"{self._elapsed():6.0f} s: {kill.left} processes of pod {victim.name} outlived the kill")
 
         def wait(condition, timeout: float) -> float | None:
             deadline = time.monotonic() + timeout
@@ -800,6 +845,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(crashes AIS 5.0 targets, see docs/reliability.md)")
     parser.add_argument("--comms", default=",".join(COMMS), help="communication types, one ETL each "
                         "(default hpush,hpull,ws)")
+    parser.add_argument("--processes", type=int, default=defaults.processes,
+                        help="transform worker processes per pod, 2 threads in all (default: the pod's choice)")
+    parser.add_argument("--kill", choices=("pod", "server"), default=defaults.kill,
+                        help="what a kill ends: every process of the pod, or its server process alone (default pod)")
     parser.add_argument("--keep", action="store_true", help="keep the run's folder (AIS and pod logs, the "
                         "probes, the readers' warnings, the sockets at each quiet point) also when every bound held")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "soak-ais",
@@ -815,7 +864,7 @@ def options_from(args: argparse.Namespace) -> Options:
     return Options(duration=args.duration, kill_every=args.kill_every, quiet_every=args.quiet_every,
                    warm_up=warm_up, settle=args.settle, shards=args.shards, samples=args.samples,
                    readers=args.readers, patience=args.patience, offline_every=args.offline_every, comms=comms,
-                   guard_offline=not args.unguarded_offline)
+                   guard_offline=not args.unguarded_offline, processes=args.processes, kill=args.kill)
 
 
 def main(argv: list[str] | None = None) -> int:
