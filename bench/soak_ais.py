@@ -291,7 +291,7 @@ class Kill:
         return self.at, self.at + (self.running_s if self.running_s is not None else 1e9)
 
 
-def _process_tree(pid: int) -> list:
+def process_tree(pid: int) -> list:
     """The process ``pid`` and every process it started (a pod's server, its fork server and workers)."""
     import psutil
 
@@ -302,7 +302,7 @@ def _process_tree(pid: int) -> list:
         return []
 
 
-def _left(processes: list, deadline: float) -> int:
+def still_alive(processes: list, deadline: float) -> int:
     """How many of ``processes`` are still alive (not zombies) at ``deadline``; returns as soon as none is."""
     import psutil
 
@@ -651,7 +651,7 @@ class Soak:
         victim = rng.choice(pods)
         self.prober.set_pods(etl, [])
         kill = Kill(etl, victim.name, time.monotonic())
-        pod = _process_tree(victim.container.pid)
+        pod = process_tree(victim.container.pid)
         self.progress(f"{self._elapsed():6.0f} s: killing {'the server of ' * (self.options.kill == 'server')}"
                       f"pod {victim.name} ({len(pod)} processes)")
         if self.options.kill == "server":
@@ -659,7 +659,7 @@ class Soak:
                 os.kill(victim.container.pid, signal.SIGKILL)
         else:
             kube.kill(victim)
-        kill.left = _left(pod, kill.at + LEFT_SECONDS)
+        kill.left = still_alive(pod, kill.at + LEFT_SECONDS)
         if kill.left:
             self.progress(f"{self._elapsed():6.0f} s: {kill.left} processes of pod {victim.name} outlived the kill")
 

@@ -262,6 +262,7 @@ def markdown(report: dict) -> str:
     kills = report["kills"]
     machine = report["machine"]
     aborted = [k["aborted_s"] for k in kills if k["aborted_s"] is not None]
+    left = [k["left"] for k in kills if k.get("left") is not None]  # runs before this count have none
     running = [k["running_s"] for k in kills if k["running_s"] is not None]
     refused = ", ".join(f"{kind} {n}" for kind, n in r["shards_refused"].items()) or "none"
     lines = [
@@ -281,8 +282,8 @@ def markdown(report: dict) -> str:
         f"objects whole {o['objects_whole']}, missing {o['objects_missing']}, stored cut {o['objects_cut']} (of "
         f"which lost, untold: {o['objects_lost']}), wrong {o['objects_wrong']} |",
         f"| pod kills | {len(kills)}, {sum(k['recovered'] for k in kills)} recovered; Aborted after "
-        f"{_range(aborted)} s, Running again after {_range(running)} s (start included); pod processes left "
-        f"15 s after a kill: {sum(k.get('left') or 0 for k in kills)} |",
+        f"{_range(aborted)} s, Running again after {_range(running)} s (start included)"
+        + (f"; pod processes left 15 s after a kill: {sum(left)}" if left else "") + " |",
         f"| ETL stage transitions | {len(report['stage_transitions'])} "
         f"({', '.join(sorted({f'{a}->{b}' for _, _, a, b in report['stage_transitions']}))}) |",
         f"| panics aisnode's HTTP server recovered from (a read dropped) | "
