@@ -15,8 +15,8 @@ from transformer.config import Settings
 from transformer.errors import InternalError
 from transformer.options import options_from_mapping
 from transformer.pool import Task, TransformPool
-from transformer.server.board import Board
-from transformer.server.spread import SUSPECT_SECONDS, RemoteTask, SpreadPool
+from transformer.server.board import SUSPECT_SECONDS, Board
+from transformer.server.spread import RemoteTask, SpreadPool
 from transformer.shards import Member, Sample
 
 

@@ -51,7 +51,6 @@ from ..options import TransformOptions
 from .board import Board
 from .direct import FrameLog, bytes_written, socket_of
 from .ipc import rebuilt, receive_exact
-from .spread import SUSPECT_SECONDS
 from .worker import (
     DATA,
     FEED,
@@ -83,7 +82,7 @@ class ShardProcesses:
         self.stall = config.stall
         self._context = multiprocessing.get_context("forkserver")
         start_fork_server()  # a no-op when ``serve`` started it already
-        self.board = Board(processes)
+        self.board = Board(processes, config.stall)
         self._cond = threading.Condition()
         self._workers: list[_Worker | None] = [None] * processes
         self._closed = False
@@ -193,8 +192,8 @@ class ShardProcesses:
         for worker in running:
             if worker.killed is not None or worker.dead.is_set():
                 continue
-            age = self.board.age(worker.index, now)
-            if age > self.stall:
+            if self.board.stalled(worker.index, now):
+                age = self.board.age(worker.index, now)
                 worker.killed = (f"stopped answering for {age:.0f} s (over ETL_WORKER_TIMEOUT, {self.stall:.0f} s: "
                                  "stopped, or stuck in a sample) and was killed")
                 log.error("transform worker process %d (pid %d) %s with %d shards in flight", worker.index,
@@ -309,12 +308,12 @@ class ShardProcesses:
                 if self._closed:
                     raise TransformerError(f"shard '{shard}': the server is shutting down")
                 now = time.monotonic()
+                board = self.board
                 running = [w for w in self._workers if w is not None and not w.dead.is_set() and w.killed is None
-                           and self.board.age(w.index, now) <= SUSPECT_SECONDS]
+                           and not board.suspect(w.index, now)]
                 if running:
-                    # A heartbeat over a second old (two missed) may be the start of a stop: others first.
-                    worker = min(running, key=lambda w: (self.board.age(w.index, now) > 1.0, self._leading(w),
-                                                         self.board.slots[w.index].busy))
+                    worker = min(running, key=lambda w: (board.late(w.index, now), self._leading(w),
+                                                         board.slots[w.index].busy))
                     worker.sent += 1
                     return worker
                 if cancel.is_set():

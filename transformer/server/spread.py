@@ -19,7 +19,7 @@ ways. A message is a header (kind, id, metadata length, data length), pickled me
 
 A worker that dies or is killed closes its links: each leader runs the samples it had sent there
 again on its own threads (seeded output is the same bytes), so a dead worker fails only the shards it
-led. Nothing is sent to a worker whose heartbeat is late (``SUSPECT_SECONDS``).
+led. Nothing is sent to a worker the board holds suspect (``Board.suspect``).
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ log = logging.getLogger("transformer.server")
 
 HEADER = struct.Struct("!BQIQ")  # kind, id, metadata length, data length
 OPTIONS, FORGET, TASK, RESULT = 1, 2, 3, 4
-SUSPECT_SECONDS = 2.0  # a worker whose heartbeat is older gets no new sample (the server kills it later)
 _BUFFER = 4 << 20  # socket buffers: a sample or an inline result in one go, mostly
 _TAR_FIELDS = ("mode", "mtime", "uid", "gid", "uname", "gname")
 
@@ -556,7 +555,7 @@ class SpreadPool:
         mine = local.busy / local.workers
         best, best_load = None, float("inf")
         for link in self.peers.links():
-            if board.age(link.index, now) > SUSPECT_SECONDS:
+            if board.suspect(link.index, now):
                 continue
             slot = board.slots[link.index]
             load = max(slot.busy, link.outstanding) / max(1, slot.threads)

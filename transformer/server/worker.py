@@ -15,8 +15,8 @@ as the threads design does from the server's threads. Without that hand-over (TL
 a next stage, ``ETL_DIRECT_SEND=false``) every chunk goes to the server in frames. The shard ends with
 its report (``DONE``) or its error (``FAILED``), pickled.
 
-A heartbeat thread writes the board every ``_BEAT_SECONDS``, unless a sample has been running longer
-than the stall bound: the server kills a worker whose heartbeat stops (stopped, or hung in native
+A heartbeat thread writes the board every ``BEAT_SECONDS``, unless a sample has been running longer
+than the stall bound (``Board.beat``): the server kills a worker whose heartbeat stops (stopped, or hung in native
 code) and starts another.
 """
 
@@ -46,7 +46,7 @@ from ..pool import TransformPool
 from ..redact import install_logging
 from ..samples import decode_paths
 from .arena import Arena
-from .board import Board
+from .board import BEAT_SECONDS, Board
 from .direct import FrameLog, FrameWriter, ws_continuation_frame
 from .ipc import portable, send_parts
 from .logs import LOG_FORMAT
@@ -65,7 +65,6 @@ READY = b"ready"  # a worker's first message, once its transform threads run
 STOP = "stop"  # the server's last message: finish and exit (its control socket closing without it: the server died)
 _PR_SET_PDEATHSIG = 1  # prctl(2)
 OOM_SCORE_ADJ = 500  # added to the server's: the kernel's OOM killer takes a worker before the server
-_BEAT_SECONDS = 0.5
 _STATS_SECONDS = 2.0
 _REPORT_SKIP = frozenset({"bytes_out", "first_byte", "started"})  # kept by the server's own job
 
@@ -119,7 +118,7 @@ def worker_main(control: socket.socket, config: WorkerConfig) -> None:
     message, fds, _, _ = socket.recv_fds(control, 1024, 1)
     if not message or not fds:
         return  # the server went away before it finished starting us
-    board = Board.attach(fds[0], config.processes)
+    board = Board.attach(fds[0], config.processes, config.stall)
     slot = board.slots[config.index]
     slot.threads, slot.pid = config.threads, os.getpid()
     pool = TransformPool(config.threads, config.max_inflight, on_load=lambda busy: setattr(slot, "busy", busy))
@@ -214,14 +213,11 @@ class _Worker:
         while True:
             now = time.monotonic()
             oldest = self.pool.oldest()
-            if oldest and now - oldest > self.config.stall:
-                if not stalled_logged:
-                    log.error("transform worker %d (pid %d): a sample has run for %.0f s, over the %.0f s bound "
-                              "(ETL_WORKER_TIMEOUT); stopping the heartbeat so the server replaces this process",
-                              self.config.index, os.getpid(), now - oldest, self.config.stall)
-                    stalled_logged = True
-            else:
-                self.slot.beat = now
+            if not self.board.beat(self.config.index, now, oldest) and not stalled_logged:
+                log.error("transform worker %d (pid %d): a sample has run for %.0f s, over the %.0f s bound "
+                          "(ETL_WORKER_TIMEOUT); stopping the heartbeat so the server replaces this process",
+                          self.config.index, os.getpid(), now - oldest, self.board.stall)
+                stalled_logged = True
             if now >= next_stats:
                 next_stats = now + _STATS_SECONDS
                 stats = (decode_paths(), self.peers.served)
@@ -231,7 +227,7 @@ class _Worker:
                     except OSError:
                         return
                     sent = stats
-            time.sleep(_BEAT_SECONDS)
+            time.sleep(BEAT_SECONDS)
 
     def lead(self, job: WorkerJob, fds: list[int]) -> None:
         """Transform one shard, spreading its samples, and send its output (``Reply``)."""
