@@ -16,7 +16,8 @@ from transformer.errors import InternalError
 from transformer.options import options_from_mapping
 from transformer.pool import Task, TransformPool
 from transformer.server.board import SUSPECT_SECONDS, Board
-from transformer.server.spread import RemoteTask, SpreadPool
+from transformer.server.links import RemoteTask
+from transformer.server.spread import SpreadPool
 from transformer.shards import Member, Sample
 
 
