@@ -1,5 +1,5 @@
-"""The through-AIS soak's own judgement (bench/soak_ais.py, bench/soak_report.py), without a cluster: a read
-is whole, wrong, short or refused as it really was; each bound fails when what it bounds goes wrong; the
+"""The through-AIS soak's own judgement (bench/soak_ais.py, bench/soak_plan.py, bench/soak_report.py), without a
+cluster: a read is whole, wrong, short or refused as it really was; each bound fails when what it bounds goes wrong; the
 answers AIS gives while an ETL is down are told from a refused shard. The soak itself runs through the
 real cluster in tests/ais/etl/test_soak.py."""
 
@@ -15,7 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.soak_ais import (
+from bench.soak_ais import Soak
+from bench.soak_plan import (
     Bounds,
     Gate,
     Kill,
@@ -23,7 +24,6 @@ from bench.soak_ais import (
     OfflineCopy,
     Options,
     Read,
-    Soak,
     add_arguments,
     digest,
     etl_down,
