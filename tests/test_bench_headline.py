@@ -3,6 +3,7 @@ newest run under bench/results/headline/ (bench/headline.py), and a hand edit or
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 import shutil
@@ -204,10 +205,18 @@ def _other_figures(value: object, factor: float = 1.07) -> object:
     return value * factor if isinstance(value, float) else value
 
 
-def test_make_bench_on_a_newer_run_leaves_the_doc_tests_green(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _day_after(run: str) -> datetime.datetime:
+    """A moment a day after the run folder ``run`` (``<YYYYMMDD>-<HHMM>-<commit>``) was started."""
+    return datetime.datetime.strptime(run[:13], "%Y%m%d-%H%M") + datetime.timedelta(days=1)
+
+
+@pytest.mark.parametrize("kept_on", ["its own day", "a day next year"])
+def test_make_bench_on_a_newer_run_leaves_the_doc_tests_green(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               kept_on: str) -> None:
     """What make bench does once it has measured, on a synthetic newer run in a copy of the repository: the older run
     replaced (kept as previous.json), every generated section rewritten; then the checks make test runs on the
-    documents pass there, and nothing names the replaced run's folder."""
+    documents pass there, and nothing names the replaced run's folder. The synthetic run is a day newer than the
+    kept one, whatever day that was: also when the kept run is dated next year (a make bench on any later day)."""
     from tests import test_docs
 
     # The working tree as make bench leaves it, before a commit: tracked files and new ones git does not ignore.
@@ -219,9 +228,14 @@ def test_make_bench_on_a_newer_run_leaves_the_doc_tests_green(tmp_path: Path, mo
             shutil.copy2(headline.REPO / name, tmp_path / name)
     kept = report.newest_run(headline.ROOT)
     root = tmp_path / kept.parent.relative_to(headline.REPO)
-    results = _other_figures(json.loads((kept / "results.json").read_text()))
-    results["meta"].update({"git": "abcdef1", "commit": "abcdef1" + "0" * 33, "started": "2026-12-01 09:00:00 UTC"})
-    newer = root / "20261201-0900-abcdef1"
+    kept_files = root / kept.name  # the copy's kept run
+    if kept_on == "a day next year":  # as make bench a year on would have left it
+        kept_files = kept_files.rename(root / f"{datetime.date.today().year + 1}{kept.name[4:]}")
+    later = _day_after(kept_files.name)
+    results = _other_figures(json.loads((kept_files / "results.json").read_text()))
+    results["meta"].update({"git": "abcdef1", "commit": "abcdef1" + "0" * 33,
+                            "started": later.strftime("%Y-%m-%d %H:%M:%S UTC")})
+    newer = root / later.strftime("%Y%m%d-%H%M-abcdef1")
     newer.mkdir()
     (newer / "results.json").write_text(json.dumps(results))
     report.write_markdown(results, newer / "results.md")
@@ -229,7 +243,7 @@ def test_make_bench_on_a_newer_run_leaves_the_doc_tests_green(tmp_path: Path, mo
                         ("PERFORMANCE", tmp_path / "docs" / "performance.md")):
         monkeypatch.setattr(headline, name, value)
     assert headline.stale() != []  # every section is the older run's
-    assert [p.name for p in headline.replace_older(root, newer)] == [kept.name]
+    assert [p.name for p in headline.replace_older(root, newer)] == [kept_files.name]
     headline.write_docs()
     assert headline.stale() == []
     assert json.loads((newer / "previous.json").read_text())["meta"]["git"] == json.loads(
@@ -243,4 +257,4 @@ def test_make_bench_on_a_newer_run_leaves_the_doc_tests_green(tmp_path: Path, mo
     assert test_docs.long_lines(readme) == [] and len(readme.splitlines()) <= test_docs.MAX_README_LINES
     assert "at commit abcdef1" in readme.replace("\n", " ")
     for doc in [*test_docs.documents(), tmp_path / "bench" / "results" / "README.md"]:
-        assert kept.name not in doc.read_text(), doc
+        assert kept.name not in doc.read_text() and kept_files.name not in doc.read_text(), doc
