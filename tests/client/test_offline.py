@@ -25,8 +25,10 @@ from transformer.client import (
     shard_urls,
     transform_bucket,
 )
+from transformer.client.copy_options import check_offline_options
 from transformer.client.download import wait_download
-from transformer.client.offline import check_offline_options, object_errors, wait_transform
+from transformer.client.jobs import object_errors
+from transformer.client.offline import wait_transform
 
 from .conftest import labelled_shard
 from .fake_proxy import FakeProxy
@@ -315,22 +317,22 @@ def test_download_proves_its_bucket_whole(val_proxy: FakeProxy, origin: str) -> 
 def test_a_list_handed_to_a_job_being_aborted_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """AIS may hand a new list to the job it is aborting (the same id comes back, already ended): the list is sent
     again once that job is gone, never waited on."""
-    from transformer.client import offline
+    from transformer.client import jobs
 
     waited: list[str] = []
-    monkeypatch.setattr(offline, "_end_stale_list_jobs", lambda *args: {"tco-old"})
-    monkeypatch.setattr(offline, "_wait_gone", lambda client, job_id: waited.append(job_id))
+    monkeypatch.setattr(jobs, "_end_stale_list_jobs", lambda *args: {"tco-old"})
+    monkeypatch.setattr(jobs, "_wait_gone", lambda client, job_id: waited.append(job_id))
     answers = iter(["tco-old", "tco-old", "tco-new"])
-    assert offline._start_list_job(None, "wds-etl-val", "src", "dst", lambda: next(answers)) == "tco-new"
+    assert jobs.start_list_job(None, "wds-etl-val", "src", "dst", lambda: next(answers)) == "tco-new"
     assert waited == ["tco-old", "tco-old"]
     with pytest.raises(ClientError, match="AIS gave the list to job tco-old, aborted because it started before ETL "
                                           "'wds-etl-val' was last started, 4 times"):
-        offline._start_list_job(None, "wds-etl-val", "src", "dst", lambda: "tco-old")
+        jobs.start_list_job(None, "wds-etl-val", "src", "dst", lambda: "tco-old")
 
 
 def test_a_list_job_from_before_the_etls_start_is_waited_out_and_aborted_only_when_busy(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from transformer.client import offline
+    from transformer.client import jobs
 
     class Jobs:
         def __init__(self, job_id: str, job_kind: str = ""):
@@ -343,11 +345,11 @@ def test_a_list_job_from_before_the_etls_start_is_waited_out_and_aborted_only_wh
         job = Jobs
 
     aborted: list[str] = []
-    monkeypatch.setattr(offline.time, "sleep", lambda seconds: None)
-    monkeypatch.setattr(offline, "_wait_gone", lambda client, job_id: None)
+    monkeypatch.setattr(jobs.time, "sleep", lambda seconds: None)
+    monkeypatch.setattr(jobs, "_wait_gone", lambda client, job_id: None)
     answers = iter([{"tco-old"}, {"tco-old"}, set()])  # idle, it ends by itself on the third look
-    monkeypatch.setattr(offline, "_stale_list_jobs", lambda *args: next(answers))
-    assert offline._end_stale_list_jobs(Client(), "wds-etl-val", "src", "dst") == set() and aborted == []
-    monkeypatch.setattr(offline, "_stale_list_jobs", lambda *args: {"tco-busy"})  # never ends: aborted at last
-    assert offline._end_stale_list_jobs(Client(), "wds-etl-val", "src", "dst", patience=0.0) == {"tco-busy"}
+    monkeypatch.setattr(jobs, "_stale_list_jobs", lambda *args: next(answers))
+    assert jobs._end_stale_list_jobs(Client(), "wds-etl-val", "src", "dst") == set() and aborted == []
+    monkeypatch.setattr(jobs, "_stale_list_jobs", lambda *args: {"tco-busy"})  # never ends: aborted at last
+    assert jobs._end_stale_list_jobs(Client(), "wds-etl-val", "src", "dst", patience=0.0) == {"tco-busy"}
     assert aborted == ["tco-busy"]

@@ -12,7 +12,8 @@ resumable stream of samples), ``epoch`` (an epoch's shard order, ErrorCounter), 
 ``resume`` (a loader's saved state and its checks), ``loader`` (make_loader), ``webloader`` (the
 webdataset way: ``web_loader``, ``etl_dataset``, a ``wds.WebLoader`` over whole shards),
 ``prefetch`` (CudaPrefetcher), ``convert`` (folder datasets -> shards in a bucket), ``shuffle``
-(dSort), ``offline`` (an ETL'd copy of a bucket, job errors, pod logs), ``whole_copy`` (a copy
+(dSort), ``offline`` (an ETL'd copy of a bucket), ``copy_options`` (what a copy is made with, checked),
+``jobs`` (AIS's jobs: waiting, their per-object errors, the pods' logs), ``whole_copy`` (a copy
 proven whole from its tails), ``incremental`` (what of a copy is stale, orphans), ``ledger`` (the
 markers of a copy already read), ``listing`` (listings with AIS's rebalance flag), ``download`` (links
 fetched and transformed by the pods, stored in a bucket), ``sync`` (``wds-transform sync``'s work),
@@ -43,8 +44,9 @@ from .errors import (
     ShuffleError,
 )
 from .etlspec import EtlSettings, obj_timeout_for, runtime_spec_yaml
+from .jobs import etl_logs
 from .loader import make_loader
-from .offline import etl_logs, transform_bucket
+from .offline import transform_bucket
 from .prefetch import CudaPrefetcher
 from .reading import whole_shard_samples
 from .registration import register, unregister
@@ -100,12 +102,12 @@ _MOVED = {
     "Registration": "transformer.client.registration",
     "ResumeError": "transformer.client.errors",
     "ShuffleResult": "transformer.client.shuffle",
-    "check_offline_options": "transformer.client.offline",
+    "check_offline_options": "transformer.client.copy_options",
     "dsort_framework": "transformer.client.shuffle",
     "encode_etl_args": "transformer.client.urls",
     "find_changes": "transformer.client.incremental",
     "measure_seconds_per_image": "transformer.apply",
-    "object_errors": "transformer.client.offline",
+    "object_errors": "transformer.client.jobs",
     "open_shard": "transformer.client.reading",
     "path_escape": "transformer.client.urls",
     "pod_urls": "transformer.client.urls",

@@ -48,6 +48,7 @@ from ..integrity import marker_from_tail
 from ..wire import END_OF_ARCHIVE, INPUT_CHECKSUM
 from .errors import ClientError, OrphanDeleteRefused
 from .etlspec import validate_name
+from .jobs import wait_job
 from .ledger import Known, Ledger, LedgerBuilder, digest, input_key, ledger_name, load_ledger
 from .listing import Listing, list_bucket
 from .registration import ais_errors, registered_message
@@ -269,8 +270,6 @@ def delete_orphan_copies(client: Client, check: Check, timeout: float = 600
     if running:
         raise OrphanDeleteRefused(bucket, f"a rebalance runs ({', '.join(running)})", orphans)
     job_id = client.bucket(bucket).objects(obj_names=list(orphans)).delete()
-    from .offline import wait_job  # the job waiter lives with the other jobs
-
     result = wait_job(client.job(job_id, job_kind=DELETE_JOB_KIND), timeout)
     after = list_bucket(client, bucket, commonprefix(list(orphans)), props="name,size")
     deleted = tuple(name for name in orphans if name not in after)

@@ -13,22 +13,20 @@ use, and refuses to start on any difference (``OfflineOptionsMismatch``, naming 
 fix). It then starts the job, waits for it, and reports AIS's per-object errors. Before returning it
 proves the copy whole (``transformer.client.whole_copy``): every object asked for is among those errors
 or stored with its end marker, else ``IncompleteCopy``. With ``incremental=True`` it transforms only
-the source objects whose copy is missing or stale (``transformer.client.incremental``).
-``object_errors`` and ``etl_logs`` surface a job's errors and the pod's logs on their own.
+the source objects whose copy is missing or stale (``transformer.client.incremental``). The options check is
+``copy_options.py``; AIS's jobs (waiting, a job's per-object errors, the pods' logs) are ``jobs.py``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ..config import VARIABLES
-from ..wire import ETL_ARG_FIELDS, INPUT_CHECKSUM
-from .errors import ClientError, IncompleteCopy, OfflineOptionsMismatch, OrphanDeleteRefused
+from ..wire import INPUT_CHECKSUM
+from .copy_options import check_offline_options, checked_options, registered_options, writes_end_marker
+from .errors import IncompleteCopy, OrphanDeleteRefused
 from .etlspec import validate_name
 from .incremental import (
     Changes,
@@ -42,10 +40,11 @@ from .incremental import (
     map_names,
     new_ledger,
 )
+from .jobs import JOB_KIND, LIST_JOB_KIND, etl_logs, object_errors, start_list_job, wait_job
 from .ledger import Known, input_key, save_ledger
 from .listing import list_bucket
-from .registration import ais_errors, registered_message
-from .urls import etl_args, expand_template
+from .registration import ais_errors
+from .urls import expand_template
 from .whole_copy import CopyCheck, Progress, check_copy, destination_name
 
 if TYPE_CHECKING:
@@ -53,11 +52,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("transformer.client")
 
-JOB_KIND = "etl-bck"  # the xaction of a bucket-to-bucket transform
-LIST_JOB_KIND = "etl-listrange"  # ... and of a multi-object (list or template) transform
-_ENV = {"preset": "ETL_PRESET", "transforms": "ETL_TRANSFORMS", "dtype": "ETL_DTYPE", "layout": "ETL_LAYOUT",
-        "seed": "ETL_SEED", "on_error": "ETL_ON_ERROR"}
-_DETERMINISTIC_PRESETS = ("imagenet-val",)
+# This module's own names, and those it offered before their concepts got modules of their own (the options
+# check: copy_options; AIS jobs: jobs), kept importable from here.
+__all__ = ["JOB_KIND", "LIST_JOB_KIND", "OfflineJob", "check_offline_options", "etl_logs", "object_errors",
+           "registered_options", "transform_bucket", "wait_job", "wait_transform"]
+
 
 
 
@@ -85,76 +84,6 @@ class OfflineJob:
     end_marker: bool = True
     changes: Changes | None = None  # an incremental transform's classes (job_id "" where nothing was stale)
     check: CopyCheck | None = field(default=None, repr=False)  # the destination's check after the job
-
-
-def effective_options(environment: Mapping[str, str]) -> dict[str, Any]:
-    """What the pod transforms with when a request carries no ``etl_args``: its environment, else the defaults."""
-
-    def get(name: str) -> str:
-        value = environment.get(name)
-        return value if value not in (None, "") else VARIABLES[name][0]
-
-    options: dict[str, Any] = {}
-    transforms = get("ETL_TRANSFORMS")
-    if transforms:  # ETL_TRANSFORMS overrides ETL_PRESET
-        try:
-            options["transforms"] = json.loads(transforms)
-        except ValueError:
-            options["transforms"] = transforms  # YAML: compared as text
-    else:
-        options["preset"] = get("ETL_PRESET")
-    options["dtype"], options["layout"], options["on_error"] = get("ETL_DTYPE"), get("ETL_LAYOUT"), get("ETL_ON_ERROR")
-    seed = get("ETL_SEED")
-    options["seed"] = int(seed) if seed.lstrip("-").isdigit() else (seed or None)
-    return options
-
-
-def check_offline_options(client: Client, etl_name: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    """Raise unless the registered ETL ``etl_name`` transforms, without ``etl_args``, with ``options``.
-
-    ``options`` are ``etl_args`` fields; ``preset`` or ``transforms`` is required (the copy's pipeline must be
-    stated, not inherited by accident) and ``epoch`` is refused (offline jobs have none). Returns the options
-    the ETL uses.
-    """
-    return _checked_options(client, etl_name, options)[0]
-
-
-def _checked_options(client: Client, etl_name: str, options: Mapping[str, Any]) -> tuple[dict[str, Any], dict]:
-    """``check_offline_options``'s work: the options the ETL uses, and its init message as AIS holds it."""
-    unknown = sorted(set(options) - set(ETL_ARG_FIELDS))
-    if unknown:
-        raise ValueError(f"offline options: unknown field {unknown[0]!r}; known fields are {', '.join(ETL_ARG_FIELDS)}")
-    if "epoch" in options:
-        raise ValueError("offline options: an offline copy has no epoch (AIS passes no etl_args to offline jobs); "
-                         "give a seed for a reproducible copy")
-    if "preset" not in options and "transforms" not in options:
-        raise ValueError("offline options: say which pipeline the copy is made with (preset or transforms)")
-    etl_args(**dict(options))  # the same value checks as for etl_args
-    with ais_errors(etl_name, "offline transform"):
-        message = registered_message(client.etl(validate_name(etl_name)))
-    if message is None:
-        raise ClientError(f"ETL '{etl_name}' is not registered; register it with the copy's options as its settings")
-    runtime = message.get("runtime")
-    runtime = runtime if isinstance(runtime, dict) else {}
-    environment = {e["name"]: e["value"] for e in (runtime.get("env") or []) + (message.get("env") or [])}
-    used = effective_options(environment)
-    differences: dict[str, tuple[object, object]] = {}
-    wanted_pipeline = (("transforms", _spec(options["transforms"])) if "transforms" in options
-                       else ("preset", options["preset"]))
-    used_pipeline = ("transforms", used["transforms"]) if "transforms" in used else ("preset", used["preset"])
-    if wanted_pipeline != used_pipeline:
-        differences["pipeline"] = (" ".join(map(repr, used_pipeline)), " ".join(map(repr, wanted_pipeline)))
-    for key in ("dtype", "layout", "on_error", "seed"):
-        if key in options and options[key] != used[key]:
-            differences[key] = (used[key], options[key])
-    if differences:
-        raise OfflineOptionsMismatch(etl_name, differences)
-    random = ("Random" in json.dumps(used["transforms"]) if "transforms" in used
-              else used["preset"] not in _DETERMINISTIC_PRESETS)
-    if random and used.get("seed") is None:
-        log.warning("ETL %s transforms with random augmentations and no seed: the offline copy is one random draw, "
-                    "and cannot be made again identically", etl_name)
-    return used, message
 
 
 def transform_bucket(
@@ -225,9 +154,9 @@ def transform_bucket(
     if template is not None and "{" not in template and ("@" in template or "%" in template):
         raise ValueError(f"transform_bucket: template {template!r}: give the range in braces, e.g. "
                          "val-{0000..0049}.tar; the copy is checked against the names it expands to")
-    _, message = _checked_options(client, etl_name, options)
+    _, message = checked_options(client, etl_name, options)
     stages = [validate_name(name) for name in pipeline] or None
-    end_marker = _writes_end_marker(client, message, stages[-1]) if stages else True
+    end_marker = writes_end_marker(client, message, stages[-1]) if stages else True
     with ais_errors(etl_name, "offline transform"):
         objects = _asked_for(client, source, prefix, names, template)
         if names is None and template is None:
@@ -238,7 +167,7 @@ def transform_bucket(
         else:
             group = client.bucket(source).objects(obj_names=list(names) if names is not None else None,
                                                   obj_template=template)
-            job_id = _start_list_job(client, etl_name, source, destination, lambda: group.transform(
+            job_id = start_list_job(client, etl_name, source, destination, lambda: group.transform(
                 to_bck=client.bucket(destination), etl_name=etl_name, ext=dict(ext) if ext else None,
                 continue_on_error=continue_on_error, num_workers=num_workers or None, etl_pipeline=stages,
             ))
@@ -265,7 +194,7 @@ def _incremental(client: Client, etl_name: str, source: str, destination: str, *
                          "are found against the whole selection)")
     if delete_orphans and not wait:
         raise ValueError("incremental transform: delete_orphans needs wait=True (orphans are found after the job)")
-    _checked_options(client, etl_name, options)
+    checked_options(client, etl_name, options)
     check = check_destination(client, etl_name, source, destination, prefix=prefix, ext=ext, dry_run=dry_run,
                               progress=progress)
     changes = check.changes
@@ -385,129 +314,6 @@ def _prove_fresh(client: Client, job: OfflineJob, check: Check, prefix: str) -> 
     return written
 
 
-def _start_list_job(client: Client, etl_name: str, source: str, destination: str, start: Callable[[], str]) -> str:
-    """Start a multi-object job with ``start`` once no job from before the ETL's current start can take its list.
-
-    AIS hands a list to a running multi-object job between the same buckets, and such a job keeps calling the
-    pods it started with, gone once the ETL was re-registered. One that idles is waited out: AIS ends it by
-    itself (115 s after its last list, measured). Aborting it instead lets AIS 5.0 hand the list to the job it
-    is winding down (the same id comes back, already ended, while its targets may still write), and a job sent
-    right after may never report idle; so a busy one is aborted only after ``STALE_JOB_WAIT``, and a list that
-    comes back with an aborted job's id is sent again once that job is gone.
-    """
-    aborted = _end_stale_list_jobs(client, etl_name, source, destination)
-    for _ in range(_JOIN_TRIES):
-        job_id = start()
-        if job_id not in aborted:
-            return job_id
-        log.warning("offline transform: AIS gave the list to job %s, aborted as it started before ETL %s; waiting "
-                    "until it is gone, then sending the list again", job_id, etl_name)
-        _wait_gone(client, job_id)
-    raise ClientError(f"offline transform: AIS gave the list to job {job_id}, aborted because it started before ETL "
-                      f"'{etl_name}' was last started, {_JOIN_TRIES} times; wait until `ais show job` no longer "
-                      f"lists it running, then transform again")
-
-
-_JOIN_TRIES = 4
-STALE_JOB_WAIT = 300.0  # seconds a job from before the ETL's start is left to end by itself before it is aborted
-
-
-def _end_stale_list_jobs(client: Client, etl_name: str, source: str, destination: str,
-                         patience: float = STALE_JOB_WAIT) -> set[str]:
-    """Wait until no multi-object job of ais://``source`` -> ais://``destination`` from before the ETL's current
-    start runs (each ends by itself once idle); abort one still running after ``patience`` seconds, and wait until
-    it has ended on every target. Returns the ids aborted."""
-    stale = _stale_list_jobs(client, etl_name, source, destination)
-    if stale:
-        log.warning("offline transform: waiting for job(s) %s (ais://%s -> ais://%s) to end: started before ETL %s "
-                    "was last started, they would call its old pods, and AIS would hand them the new list (an idle "
-                    "one ends by itself within about two minutes)", ", ".join(sorted(stale)), source, destination,
-                    etl_name)
-    deadline = time.monotonic() + patience
-    while stale and time.monotonic() < deadline:
-        time.sleep(2.0)
-        stale = _stale_list_jobs(client, etl_name, source, destination)
-    aborted = set()
-    for job_id in stale:
-        log.warning("offline transform: aborting job %s (ais://%s -> ais://%s): still running %.0f s on, and it "
-                    "would call the old pods of ETL %s", job_id, source, destination, patience, etl_name)
-        client.job(job_id, job_kind=LIST_JOB_KIND).abort()
-        _wait_gone(client, job_id)
-        aborted.add(job_id)
-    return aborted
-
-
-def _stale_list_jobs(client: Client, etl_name: str, source: str, destination: str) -> set[str]:
-    """The running multi-object jobs of ais://``source`` -> ais://``destination`` that started before the ETL's
-    current start."""
-    running = client.cluster().list_running_jobs(job_kind=LIST_JOB_KIND)
-    if not running:
-        return set()
-    current = [etl.xaction_id for etl in client.cluster().list_etls() if etl.id == etl_name and etl.xaction_id]
-    if not current:
-        return set()
-    etl_started = _started(client.job(current[0]).get_details().list_snapshots())
-    stale = set()
-    for entry in running:
-        job_id = entry[entry.find("[") + 1:].rstrip("]")
-        snaps = [snap for snap in client.job(job_id, job_kind=LIST_JOB_KIND).get_details().list_snapshots()
-                 if not snap.aborted and not _ended(snap.end_time) and snap.source_bck and snap.destination_bck
-                 and snap.source_bck.name == source and snap.destination_bck.name == destination]
-        started = _started(snaps)
-        if etl_started is not None and started is not None and started < etl_started:
-            stale.add(job_id)
-    return stale
-
-
-def _wait_gone(client: Client, job_id: str, timeout: float = 120.0) -> None:
-    """Until an aborted job has ended on every target and AIS no longer lists it running: a list sent while it
-    still winds down joins it."""
-    deadline = time.monotonic() + timeout
-    while True:
-        snaps = client.job(job_id, job_kind=LIST_JOB_KIND).get_details().list_snapshots()
-        running = client.cluster().list_running_jobs(job_kind=LIST_JOB_KIND) or []
-        if all(_ended(snap.end_time) for snap in snaps) and not any(job_id in entry for entry in running):
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"offline transform: job {job_id}, aborted, still runs after {timeout:.0f} s; "
-                               "start the transform again once `ais show job` shows it ended")
-        time.sleep(0.5)
-
-
-def _ended(end_time: str | None) -> bool:
-    return bool(end_time) and not str(end_time).startswith("0001-01-01")  # Go's zero time: not ended
-
-
-def _started(snaps: Sequence[Any]) -> float | None:
-    """The earliest start time among AIS job snapshots (RFC 3339 with nanoseconds), in seconds since the epoch."""
-    import datetime as dt
-
-    times = []
-    for snap in snaps:
-        text = (snap.start_time or "").replace("Z", "+00:00")
-        whole, dot, rest = text.partition(".")
-        if dot:  # Python's parser takes microseconds: cut the nanoseconds, keep the zone
-            digits = len(rest) - len(rest.lstrip("0123456789"))
-            text = f"{whole}.{rest[:min(digits, 6)]}{rest[digits:]}"
-        try:
-            times.append(dt.datetime.fromisoformat(text).timestamp())
-        except ValueError:
-            continue
-    return min(times) if times else None
-
-
-def registered_options(client: Client, etl_name: str) -> dict[str, Any]:
-    """The ETL's settings as ``transform_bucket``'s ``options``: what it transforms offline jobs with."""
-    with ais_errors(etl_name, "offline transform"):
-        message = registered_message(client.etl(validate_name(etl_name)))
-    if message is None:
-        raise ClientError(f"ETL '{etl_name}' is not registered")
-    runtime = message.get("runtime")
-    runtime = runtime if isinstance(runtime, dict) else {}
-    used = effective_options({e["name"]: e["value"] for e in (runtime.get("env") or []) + (message.get("env") or [])})
-    return {key: value for key, value in used.items() if value is not None}
-
-
 def wait_transform(client: Client, job: OfflineJob, timeout: float = 3600, *, listing_from: str | None = None,
                    progress: Progress | None = None) -> OfflineJob:
     """Wait for a job ``transform_bucket(..., wait=False)`` started, then prove its copy whole.
@@ -579,71 +385,3 @@ def _errored_object(name: str) -> str:
     return name.split("/", 3)[3] if name.startswith("ais://") and name.count("/") >= 3 else name
 
 
-def _writes_end_marker(client: Client, first: dict, stage: str) -> bool:
-    """Whether the pipeline's last ``stage`` is this transformer, which ends each shard with its end marker:
-    registered with the service's settings (``register`` writes ``ETL_PRESET``) or the first stage's image."""
-    with ais_errors(stage, "offline transform"):
-        message = registered_message(client.etl(stage))
-    if not message:
-        return False
-
-    def runtime(spec: dict) -> dict:
-        value = spec.get("runtime")
-        return value if isinstance(value, dict) else {}
-
-    env = {e.get("name") for e in (runtime(message).get("env") or []) + (message.get("env") or [])}
-    image = runtime(message).get("image")
-    if {"ETL_PRESET", "ETL_TRANSFORMS"} & env or (image and image == runtime(first).get("image")):
-        return True
-    log.info("offline transform: the pipeline's last stage, ETL %s, is not this transformer; the copy is checked "
-             "for the presence of each object, not for its end marker", stage)
-    return False
-
-
-def wait_job(job, timeout: float, poll: Callable[[bool], None] | None = None):
-    """``job.wait`` within ``timeout`` seconds, polling about once a second; ``poll(False)`` between waits (every
-    5 s), ``poll(True)`` once it ends.
-
-    The SDK polls every ``timeout``/64 seconds (AIS's probing frequency): 56 s for an hour, so a job of
-    a few seconds would be reported up to a minute late. Waiting in slices of 30 s keeps its poll at 1 s.
-    """
-    from aistore.sdk.errors import Timeout
-
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                return job.wait(timeout=max(1, min(5 if poll else 30, int(left))), verbose=False)
-            except Timeout:
-                if deadline - time.monotonic() <= 0:
-                    raise
-                if poll is not None:
-                    poll(False)
-    finally:
-        if poll is not None:
-            poll(True)
-
-
-def object_errors(client: Client, etl_name: str, job_id: str) -> list[tuple[str, str]]:
-    """The objects a job of this ETL failed on, with AIS's message for each (``GET /v1/etl/<name>?uuid=``)."""
-    with ais_errors(etl_name, "job errors"):
-        details = client.etl(validate_name(etl_name)).view(job_id=job_id)
-    return [(error.obj_name, error.msg) for error in details.obj_errors or []]
-
-
-def etl_logs(client: Client, etl_name: str, target_id: str = "") -> dict[str, str]:
-    """The pod's logs, per target (``GET /v1/etl/<name>/logs[/<target>]``)."""
-    with ais_errors(etl_name, "logs"):
-        entries = client.etl(validate_name(etl_name)).logs(target_id=target_id)
-    return {entry.target_id: entry.logs for entry in entries}  # the SDK decodes AIS's base64
-
-
-def _spec(value: Any) -> Any:
-    """A transforms spec as the pod's environment holds it (compact JSON), read back; YAML text stays text."""
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except ValueError:
-            return value
-    return json.loads(json.dumps(value))

@@ -12,8 +12,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from .copy_options import registered_options
 from .errors import IncompleteCopy, OrphanDeleteRefused
-from .offline import OfflineJob, registered_options, transform_bucket
+from .offline import OfflineJob, transform_bucket
 from .whole_copy import ProgressBar
 
 SHOWN = 10  # names printed per class; the rest are counted
