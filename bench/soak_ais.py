@@ -524,7 +524,8 @@ class Soak:
 def main(argv: list[str] | None = None) -> int:
     from bench.soak_report import write_report
     from testbed.cluster import install_aisnode
-    from testbed.etl_cluster import NODES, enter_network_namespace, start_etl_cluster
+    from testbed.etl_cluster import NODES, start_etl_cluster
+    from testbed.netns import enter_network_namespace
 
     parser = argparse.ArgumentParser(prog="python -m bench.soak --through-ais", description=__doc__.splitlines()[0])
     add_arguments(parser)

@@ -210,7 +210,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/results/through-ais"))
     options = parser.parse_args()
     from testbed.cluster import install_aisnode
-    from testbed.etl_cluster import IMAGE, NODES, enter_network_namespace, pod_runtime, start_etl_cluster
+    from testbed.etl_cluster import IMAGE, NODES, pod_runtime, start_etl_cluster
+    from testbed.netns import enter_network_namespace
 
     kinds = ("process", "container") if options.pods == "both" else (options.pods,)
     runtimes = {kind: pod_runtime(kind) for kind in kinds}

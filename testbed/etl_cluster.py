@@ -1,6 +1,6 @@
 """A real AIStore that runs ETL, in a private network namespace, with only Kubernetes faked.
 
-One proxy and two targets on two "nodes", in Kubernetes mode; the fake Kubernetes is ``testbed/kube.py``.
+One proxy and two targets on two "nodes", in Kubernetes mode; the fake Kubernetes is ``testbed/fake_kube.py``.
 
 AIS 5.0 refuses ETL unless aisnode believes it runs in Kubernetes (``cmn/k8s``: client-go's
 ``rest.InClusterConfig`` finds ``KUBERNETES_SERVICE_HOST``/``_PORT`` and a service-account token, and
@@ -9,15 +9,9 @@ service account (token, ``ca.crt`` of the fake API's throw-away CA, namespace) a
 ``/var/run/secrets/kubernetes.io/serviceaccount``, mounted on a tmpfs in a mount namespace of its own
 (``unshare --mount``): the host's ``/run`` is never touched.
 
-The network: ``enter_network_namespace`` moves the calling thread (the test process's main thread)
-into a new network namespace (``unshare(CLONE_NEWNET)``), where ``lo`` is brought up and each node
-gets an address of the documentation range 198.51.100.0/24 on ``lo`` (aisnode drops loopback addresses
-in Kubernetes mode, so it needs one more). Every process the thread starts afterwards (aisnode, the
-fake API, the pods, DataLoader workers) and every socket it opens is in that namespace: every packet
-stays inside it, and the host's network is untouched. ``leave`` returns the thread to the namespace it
-came from; the namespace is gone with its last process. This needs CAP_SYS_ADMIN: root, or a user
-namespace entered before the process started any thread (``testbed/userns.py``, which ``tests/conftest.py`` enters
-first thing).
+The network: a namespace of its own (``testbed/netns.py``), where each node gets an address of the
+documentation range 198.51.100.0/24 on ``lo`` (aisnode drops loopback addresses in Kubernetes mode,
+so it needs one more).
 
 Layout: node-0 (198.51.100.10) runs the proxy, node-1 (.11) and node-2 (.12) a target each; the pods AIS
 creates for a target run on that target's node, so every ETL has two pods and a bucket's objects
@@ -28,7 +22,6 @@ the small, quick ETL the real-ETL tests and the benchmarks through AIS register 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import secrets
@@ -54,7 +47,8 @@ from .cluster import (
     stop_nodes,
     wait_ready,
 )
-from .kube import FakeKubernetes
+from .fake_kube import FakeKubernetes
+from .netns import enter_network_namespace
 from .pods import ContainerRuntime, PodRuntime, ProcessRuntime
 from .ports import free_ports
 from .tlscerts import make_tls_files
@@ -64,7 +58,6 @@ if TYPE_CHECKING:
 
 REAL_KUBERNETES = os.environ.get("AIS_WDS_KUBE") == "real"  # make test-k8s: AIS on a real Kubernetes node
 IMAGE = "ais-wds-transformer:test"  # process pods: wds-transform serve; container pods: the built image (pods.py)
-CLONE_NEWNET = 0x40000000
 NODES = {"node-0": "198.51.100.10", "node-1": "198.51.100.11", "node-2": "198.51.100.12"}
 SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 # The wrapper each aisnode runs in: a mount namespace of its own with the service account on a tmpfs
@@ -74,68 +67,6 @@ _WITH_SERVICE_ACCOUNT = (
     f'mkdir -p {SERVICE_ACCOUNT}; cp "$AIS_WDS_SA"/token "$AIS_WDS_SA"/ca.crt "$AIS_WDS_SA"/namespace '
     f'{SERVICE_ACCOUNT}/; exec "$@"'
 )
-
-
-class NamespaceUnavailable(RuntimeError):
-    """The network or mount namespace could not be made; the message says what is missing."""
-
-
-def _libc():
-    return ctypes.CDLL("libc.so.6", use_errno=True)
-
-
-def _ip(*args: str) -> None:
-    ip = shutil.which("ip") or "/usr/sbin/ip"
-    result = subprocess.run([ip, *args], capture_output=True, text=True, timeout=30)
-    if result.returncode != 0:
-        raise NamespaceUnavailable(f"ip {' '.join(args)} failed: {result.stderr.strip()}")
-
-
-@dataclass
-class NetworkNamespace:
-    original: int  # a file descriptor of the namespace the thread came from
-
-    def leave(self) -> None:
-        if self.original < 0:
-            return
-        if _libc().setns(self.original, CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns back to the original network namespace: {os.strerror(err)}")
-        os.close(self.original)
-        self.original = -1
-
-
-def check_prerequisites() -> None:
-    missing = [tool for tool in ("ip", "unshare", "mount") if shutil.which(tool) is None
-               and not Path(f"/usr/sbin/{tool}").exists() and not Path(f"/usr/bin/{tool}").exists()]
-    if shutil.which("openssl") is None:  # run from PATH by testbed/tlscerts.py, for the fake API's TLS files
-        missing.append("openssl")
-    if missing:
-        raise NamespaceUnavailable(f"the real-ETL cluster needs {', '.join(missing)}, not found (Debian: "
-                                   "apt-get install iproute2 util-linux mount openssl)")
-
-
-def enter_network_namespace(addresses: list[str]) -> NetworkNamespace:
-    """Move this thread into a new network namespace with ``lo`` up and ``addresses`` on it."""
-    check_prerequisites()
-    original = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    if _libc().unshare(CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        os.close(original)
-        raise NamespaceUnavailable(
-            f"unshare(CLONE_NEWNET) failed: {os.strerror(err)}. The real-ETL tests need a network namespace of "
-            "their own: run them as root, or where the kernel allows unprivileged user namespaces "
-            "(sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0); "
-            "to leave them out: pytest -m 'not ais_etl'")
-    namespace = NetworkNamespace(original)
-    try:
-        _ip("link", "set", "lo", "up")
-        for address in addresses:
-            _ip("addr", "add", f"{address}/32", "dev", "lo")
-    except BaseException:
-        namespace.leave()
-        raise
-    return namespace
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""How the fake kubelet (``testbed/kube.py``) runs an ETL pod's container: as a process, or as a container.
+"""How the fake kubelet (``testbed/fake_kube.py``) runs an ETL pod's container: as a process, or as a container.
 
 ``ProcessRuntime`` (the default of ``make test``) runs the container's command as a local process of
 the development venv. ``ContainerRuntime`` (``make test-image``; ``AIS_WDS_POD_RUNTIME=container``)

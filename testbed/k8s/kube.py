@@ -1,6 +1,6 @@
 """The real-ETL suite's view of a real Kubernetes: the calls the fake one answers, served by a real node.
 
-The fake is ``testbed/kube.py``; the node is ``node.py``.
+The fake is ``testbed/fake_kube.py``; the node is ``node.py``.
 
 The tests ask Kubernetes for the ETL pods of an ETL, which of them run, their address (``hostIP`` and the
 Service's ``nodePort``), the host pid and user of their main process, and their whole logs, deleted pods'
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..kube import wait_until
+from ..fake_kube import wait_until
 from .node import KubeNode
 
 AIS_NODE_IMAGE = "127.0.0.1:5000/ais-wds-pause:1"  # the AIS nodes' own pods: a sandbox and a sleeper

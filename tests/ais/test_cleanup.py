@@ -10,7 +10,7 @@ from pathlib import Path
 
 from testbed.cluster import Node, stop_nodes
 from testbed.etl_cluster import EtlCluster
-from testbed.kube import FakeKubernetes
+from testbed.fake_kube import FakeKubernetes
 from testbed.pods import ProcessRuntime
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]

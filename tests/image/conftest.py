@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from scripts.image import IMAGE, container_env
-from testbed.etl_cluster import NamespaceUnavailable, enter_network_namespace
+from testbed.netns import NamespaceUnavailable, enter_network_namespace
 from testbed.pods import LABEL, ContainerRuntime, PodRuntimeUnavailable, podman
 
 PORT = 8000  # what AIS connects to; nothing else listens in the test's namespace

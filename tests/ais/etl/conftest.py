@@ -33,11 +33,10 @@ from testbed.etl_cluster import (
     NODES,
     REAL_KUBERNETES,
     EtlCluster,
-    NamespaceUnavailable,
-    enter_network_namespace,
     settings,
     start_etl_cluster,
 )
+from testbed.netns import NamespaceUnavailable, enter_network_namespace
 from testbed.pods import PodRuntimeUnavailable
 from testbed.shardgen import shard_bytes
 from transformer.client import register, unregister
