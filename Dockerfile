@@ -73,17 +73,15 @@ RUN useradd --no-log-init --system --uid 10001 --gid 0 --no-create-home --home-d
 # read-only root filesystem, /tmp must be a writable volume (k8s/standalone/deployment.yaml).
 # PATH (/opt/venv/bin first) comes from the deps stage.
 ENV PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1 \
-    ETL_HOST=0.0.0.0 \
-    ETL_PORT=8000
+    PYTHONUNBUFFERED=1
 USER 10001:0
 EXPOSE 8000
 # Docker only (Kubernetes ignores HEALTHCHECK; AIS adds its own readiness probe on /health).
-# python, not curl: the slim base has no curl, and ETL_PORT is read at check time.
+# python, not curl: the slim base has no curl. The pod listens on 8000, as AIS requires.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('ETL_PORT', '8000'), timeout=4)"]
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
 # Exec form: wds-transform is PID 1 and gets SIGTERM itself (uvicorn drains in-flight shards).
-# `serve` sets what AIS needs from uvicorn (transformer/cli.py): keep-alive ETL_KEEPALIVE=75 s, above the
+# `serve` sets what AIS needs from uvicorn (transformer/serve.py): 0.0.0.0:8000, keep-alive 75 s, above the
 # target's 6 s idle timeout; WebSocket messages up to 16 GiB; pings off. tests/test_deploy.py checks the
 # first two against this very command. AIS's runtime.command, when set, replaces both lines; k8s/ does not.
 ENTRYPOINT ["wds-transform"]

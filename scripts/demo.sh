@@ -10,7 +10,7 @@ echo "== 1. demo shards (ImageNet-like JPEGs made from real photographs)"
 $PY -m transformer make-shards "$OUT/shards" --shards 2 --samples 100
 
 echo "== 2. the transformer service on 127.0.0.1:$PORT (preset imagenet-train, float32 CHW)"
-ETL_HOST=127.0.0.1 ETL_PORT=$PORT $PY -m transformer serve > "$OUT/server.log" 2>&1 &
+$PY -m transformer serve --host 127.0.0.1 --port "$PORT" > "$OUT/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
 for _ in $(seq 1 120); do

@@ -39,8 +39,8 @@ aisnode trusts through the service-account ``ca.crt`` (``rest.InClusterConfig``)
 The kubelet: a pod is scheduled on the node its required node affinity names (AIS sets
 ``kubernetes.io/hostname In [$MY_NODE]``), so its ``status.hostIP`` is that node's address; its
 container runs (a local process of this venv, or a podman container of the image: ``pods.py``) with
-the container's environment plus ``ETL_HOST``/``ETL_PORT`` = hostIP and the NodePort of the service
-that selects it (there is no kube-proxy: the container listens on the node port itself, in the
+the container's environment, listening on hostIP and the NodePort of the service that selects it
+(``serve --host --port``; there is no kube-proxy: the container listens on the node port itself, in the
 test's network namespace), its ``hostPath`` volumes, its output as the pod's log, and it becomes
 ``Ready`` once ``GET /health`` on its port answers ``200`` (probed every 0.2 s, where Kubernetes
 would use the probe's period, 10 s). When the container exits, it is reported terminated with its
@@ -350,12 +350,12 @@ class FakeKubernetes:
             pod.obj["status"]["conditions"][0]["status"] = "True"
             pod.folder = self.root / "pods" / pod.name / pod.obj["metadata"]["uid"]
             pod.folder.mkdir(parents=True)
-            env = {**{e["name"]: e.get("value", "") for e in container.get("env", [])},
-                   "ETL_HOST": pod.host, "ETL_PORT": str(pod.port)}
+            env = {e["name"]: e.get("value", "") for e in container.get("env", [])}
             runtime = self.runtimes.get(container.get("image", ""), self.runtime)
             pod.container = runtime.start(
                 pod.name, container.get("image", ""), container.get("command") or [], container.get("args") or [],
-                env, self._mounts(pod.obj["spec"], container), pod.termination_log, pod.log, pod.folder)
+                env, self._mounts(pod.obj["spec"], container), pod.termination_log, pod.log, pod.folder,
+                (pod.host, pod.port))
             pod.runtime = runtime.kind
             self.started.append(pod)
             pod.obj["status"]["phase"] = "Running"

@@ -6,7 +6,8 @@ runs it with podman as a container of the image ``make image`` built, as a kubel
 
 * the image's ENTRYPOINT and CMD, or the spec's ``command``/``args`` in their place; its USER
   (uid 10001, gid 0);
-* the spec's env plus ``ETL_HOST``/``ETL_PORT`` (the node's address and the service's NodePort);
+* the spec's env; the pod listens on the node's address and the service's NodePort (``serve --host --port``:
+  several pods share this machine, where a real pod has 0.0.0.0:8000 of its own network);
 * host networking, i.e. the network namespace of the thread that runs the kubelet (the test's own);
 * every ``hostPath`` volume the spec mounts, at its ``mountPath`` and read-only where the spec says
   so (AIS copies the target pod's volumes into the ETL pod read-only: its objects are read by FQN
@@ -53,6 +54,11 @@ def _own_group_dying_with_parent() -> None:  # between fork and exec
     os.setpgrp()  # its own group, so a kill reaches what it started too
 
 
+def listen_args(listen: tuple[str, int]) -> list[str]:
+    """``wds-transform serve``'s arguments for the address a pod listens on."""
+    return ["--host", listen[0], "--port", str(listen[1])]
+
+
 class Container(Protocol):
     """What the kubelet needs of one running container."""
 
@@ -70,7 +76,8 @@ class PodRuntime(Protocol):
     kind: str  # "process" or "container"
 
     def start(self, name: str, image: str, command: Sequence[str], args: Sequence[str], env: dict[str, str],
-              mounts: Sequence[tuple[str, str, bool]], termination_log: Path, log: Path, cwd: Path) -> Container: ...
+              mounts: Sequence[tuple[str, str, bool]], termination_log: Path, log: Path, cwd: Path,
+              listen: tuple[str, int]) -> Container: ...
 
     def leftovers(self) -> list[str]: ...
 
@@ -116,9 +123,10 @@ class ProcessRuntime:
         self.started: list[LocalProcess] = []
 
     def start(self, name: str, image: str, command: Sequence[str], args: Sequence[str], env: dict[str, str],
-              mounts: Sequence[tuple[str, str, bool]], termination_log: Path, log: Path, cwd: Path) -> LocalProcess:
+              mounts: Sequence[tuple[str, str, bool]], termination_log: Path, log: Path, cwd: Path,
+              listen: tuple[str, int]) -> LocalProcess:
         argv = [*self.commands.get(command[0], [command[0]]), *command[1:], *args] if command else \
-            [*self.entrypoint, *args]
+            [*self.entrypoint, *(args or listen_args(listen))]
         # Every process shares this machine's /dev: the termination-message path is a file of the pod's own.
         full_env = {**self.base_env, **env, "ETL_TERMINATION_LOG": str(termination_log), "HOSTNAME": name}
         with open(log, "wb") as sink:
@@ -215,7 +223,8 @@ class ContainerRuntime:
         return runtime
 
     def start(self, name: str, image: str, command: Sequence[str], args: Sequence[str], env: dict[str, str],
-              mounts: Sequence[tuple[str, str, bool]], termination_log: Path, log: Path, cwd: Path) -> PodmanContainer:
+              mounts: Sequence[tuple[str, str, bool]], termination_log: Path, log: Path, cwd: Path,
+              listen: tuple[str, int]) -> PodmanContainer:
         container = f"{name}-{os.urandom(3).hex()}"
         termination_log.touch()
         termination_log.chmod(0o666)  # written by the container's user, as a kubelet's file is
@@ -228,7 +237,7 @@ class ContainerRuntime:
             argv += ["--env", f"{key}={value}"]
         if command:
             argv += ["--entrypoint", command[0]]
-        argv += [local_image(image, self.image), *command[1:], *args]
+        argv += [local_image(image, self.image), *command[1:], *(args or ("serve", *listen_args(listen)))]
         with open(log, "wb") as sink:
             process = subprocess.Popen(argv, env=container_env(), cwd=cwd, stdin=subprocess.DEVNULL, stdout=sink,
                                        stderr=subprocess.STDOUT, preexec_fn=_own_group_dying_with_parent)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from testbed.faults import planted
+from testbed.planted import planted
 from testbed.shardgen import imagenet_like_shard, jpeg_bytes, make_tar, read_tar
 from transformer.cli import main
 from transformer.config import VARIABLES, Settings

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import ssl
 import subprocess
 import sys
@@ -43,7 +44,7 @@ def test_defaults_match_the_variables_table() -> None:
     assert settings.max_member_bytes == 256 * 2**20 and settings.max_image_pixels == 100_000_000
     assert settings.max_shard_bytes == 16 * 2**30
     assert settings.fqn_roots == () and settings.error_manifest is True
-    assert (settings.keepalive, settings.host, settings.port, settings.log_level) == (75, "0.0.0.0", 8000, "info")
+    assert settings.log_level == "info" and settings.direct_send is True
     assert settings.ais_target_url == ""
 
 
@@ -59,8 +60,6 @@ def test_every_variable_is_read(tls_files: TlsFiles) -> None:
         "ETL_MASK_EXTS": "Label.PNG",
         "ETL_WORKERS": "5",
         "ETL_PROCESSES": "2",
-        "ETL_WINDOW": "3",
-        "ETL_MAX_INFLIGHT": "9",
         "ETL_OBJ_TIMEOUT": "1m30s",
         "ETL_WORKER_TIMEOUT": "45s",
         "ETL_MAX_MEMBER_BYTES": "1024",
@@ -70,10 +69,6 @@ def test_every_variable_is_read(tls_files: TlsFiles) -> None:
         "ETL_CROP_DECODE": "no",
         "ETL_DCT_SCALING": "Yes",
         "ETL_ERROR_MANIFEST": "No",
-        "ETL_DIRECT_SEND": "false",
-        "ETL_KEEPALIVE": "7",
-        "ETL_HOST": "127.0.0.1",
-        "ETL_PORT": "8123",
         "ETL_LOG_LEVEL": "DEBUG",
         "ETL_TERMINATION_LOG": "/tmp/why",
         "AIS_TARGET_URL": "http://target:8080/v1/etl/_object/x/SECRET/",
@@ -88,13 +83,13 @@ def test_every_variable_is_read(tls_files: TlsFiles) -> None:
     assert s.transforms == [{"Resize": {"size": 64}}]
     assert (s.dtype, s.layout, s.on_error, s.seed) == ("float16", "HWC", "fail", -12)
     assert s.image_exts == {"jpg", "png", "tif"} and s.mask_exts == {"label.png"}
-    assert (s.workers, s.processes, s.window, s.max_inflight) == (5, 2, 3, 9)
+    assert (s.workers, s.processes, s.window, s.max_inflight) == (5, 2, 12, 192)  # derived from the workers
     assert (s.obj_timeout, s.worker_timeout) == (90.0, 45.0)
     assert (s.max_member_bytes, s.max_shard_bytes, s.max_image_pixels) == (1024, 2**20, 4096)
     assert s.fqn_roots == (os.path.realpath("/ais/mp1"), os.path.realpath("/ais/mp3"))
-    assert s.error_manifest is False and s.direct_send is False and s.crop_decode is False
+    assert s.error_manifest is False and s.crop_decode is False
     assert s.dct_scaling is True
-    assert (s.keepalive, s.host, s.port, s.log_level) == (7, "127.0.0.1", 8123, "debug")
+    assert s.log_level == "debug"
     assert s.termination_log == "/tmp/why"
     assert s.ais_target_url == "http://target:8080/v1/etl/_object/x/SECRET"
     assert (s.ais_crt, s.ais_crt_key, s.ais_client_ca) == (env["AIS_CRT"], env["AIS_CRT_KEY"], env["AIS_CLIENT_CA"])
@@ -109,14 +104,38 @@ def test_from_env_reads_the_process_environment(monkeypatch: pytest.MonkeyPatch)
     assert settings.env["ETL_DTYPE"] == "uint8"
 
 
-def test_window_and_inflight_default_from_workers() -> None:
-    settings = Settings.from_env({"ETL_WORKERS": "4", "ETL_PROCESSES": "0", "ETL_WINDOW": "", "ETL_MAX_INFLIGHT": " "})
-    assert (settings.window, settings.max_inflight) == (10, 80)
-    settings = Settings.from_env({"ETL_WORKERS": "4", "ETL_PROCESSES": "0", "ETL_WINDOW": "3"})
-    assert (settings.window, settings.max_inflight) == (3, 24)  # room for 8 shards' windows
+def test_window_and_inflight_are_derived_from_the_workers() -> None:
+    settings = Settings.from_env({"ETL_WORKERS": "4", "ETL_PROCESSES": "0"})
+    assert (settings.window, settings.max_inflight) == (10, 80)  # room for 8 shards' windows
     # A shard's samples run on every thread, in worker processes too; each process has room for 8 windows.
     settings = Settings.from_env({"ETL_WORKERS": "8"})
     assert (settings.processes, settings.window, settings.max_inflight) == (3, 18, 432)
+
+
+def test_what_ais_requires_is_a_constant_not_a_setting() -> None:
+    """0.0.0.0:8000 and a keep-alive above the target's 6 s idle timeout: nothing a user could get wrong."""
+    assert (config.HOST, config.PORT) == ("0.0.0.0", 8000) and config.KEEPALIVE_SECONDS > 6
+    assert not {"ETL_HOST", "ETL_PORT", "ETL_KEEPALIVE", "ETL_WINDOW", "ETL_MAX_INFLIGHT", "ETL_DIRECT_SEND"} & set(
+        VARIABLES)
+
+
+def test_the_settings_and_the_names_the_package_reads_stay_few() -> None:
+    """What a user sets, and nothing else: at most 26 settings, at most 28 ETL_/AIS_ names read anywhere."""
+    assert len(VARIABLES) <= 26
+    package = Path(config.__file__).parent
+    read = {name for path in package.rglob("*.py")
+            for name in re.findall(r"[\"']((?:ETL|AIS)_[A-Z0-9_]+)[\"']", path.read_text())}
+    assert len(read) <= 28, sorted(read)
+    assert set(VARIABLES) <= read
+
+
+def test_cores_are_read_without_torch_and_agree_with_the_settings() -> None:
+    """``serve`` reads the cores before torch is imported (to start the fork server first): one parse, the same."""
+    for env in ({"ETL_WORKERS": "8"}, {"ETL_WORKERS": "2", "ETL_PROCESSES": "2"}, {"ETL_WORKERS": "3"}):
+        settings = Settings.from_env(env)
+        assert config.cores(env) == (settings.workers, settings.processes)
+    with pytest.raises(ConfigError, match="ETL_PROCESSES"):
+        config.cores({"ETL_WORKERS": "2", "ETL_PROCESSES": "3"})
 
 
 @pytest.mark.parametrize(
@@ -140,9 +159,6 @@ def test_window_and_inflight_default_from_workers() -> None:
         ("ETL_MASK_EXTS", "mask"),
         ("ETL_WORKERS", "0"),
         ("ETL_WORKERS", "two"),
-        ("ETL_WINDOW", "0"),
-        ("ETL_WINDOW", "1e3"),
-        ("ETL_MAX_INFLIGHT", "-1"),
         ("ETL_OBJ_TIMEOUT", "forever"),
         ("ETL_OBJ_TIMEOUT", "0s"),
         ("ETL_OBJ_TIMEOUT", "nan"),
@@ -152,13 +168,8 @@ def test_window_and_inflight_default_from_workers() -> None:
         ("ETL_MAX_SHARD_BYTES", "16GiB"),
         ("ETL_MAX_IMAGE_PIXELS", "-5"),
         ("ETL_ERROR_MANIFEST", "maybe"),
-        ("ETL_DIRECT_SEND", "sometimes"),
-        ("ETL_KEEPALIVE", "6"),
-        ("ETL_KEEPALIVE", "5"),
-        ("ETL_KEEPALIVE", "seventy"),
-        ("ETL_PORT", "0"),
-        ("ETL_PORT", "http"),
-        ("ETL_PORT", "70000"),
+        ("ETL_CROP_DECODE", "sometimes"),
+        ("ETL_PROCESSES", "-1"),
         ("ETL_LOG_LEVEL", "trace"),
     ],
 )
@@ -169,17 +180,11 @@ def test_bad_values_name_the_variable(variable: str, value: str) -> None:
     assert variable in info.value.message and info.value.reason
 
 
-def test_keepalive_must_exceed_the_targets_idle_timeout() -> None:
-    with pytest.raises(ConfigError, match="6 s"):
-        Settings.from_env({"ETL_KEEPALIVE": "6"})
-    assert Settings.from_env({"ETL_KEEPALIVE": "7"}).keepalive == 7
-
-
 @pytest.mark.parametrize("text, expected", [("true", True), ("1", True), ("YES", True), ("False", False),
                                              ("0", False), ("no", False)])
 def test_boolean_settings(text: str, expected: bool) -> None:
     assert Settings.from_env({"ETL_ERROR_MANIFEST": text}).error_manifest is expected
-    assert Settings.from_env({"ETL_DIRECT_SEND": text}).direct_send is expected
+    assert Settings.from_env({"ETL_CROP_DECODE": text}).crop_decode is expected
     assert Settings.from_env({"AIS_SKIP_VERIFY_CRT": text}).ais_skip_verify is expected
     assert Settings.from_env({"AIS_SKIP_VERIFY": text}).ais_skip_verify is expected  # the older name
 

@@ -58,6 +58,7 @@ from tests.deploy_files import (
     memory_bytes,
     yaml_documents,
 )
+from transformer import config
 from transformer.config import VARIABLES, Settings, parse_duration
 
 KUBERNETES_VERSION = "1.37"  # a current release; kubernetes-validate ships its schemas
@@ -169,12 +170,12 @@ def test_image_version_matches_package_and_manifests(dockerfile: Dockerfile, spe
 
 
 def test_image_listens_where_ais_connects(dockerfile: Dockerfile) -> None:
-    env = dockerfile.image_env()
-    assert env["ETL_HOST"] == "0.0.0.0" and env["ETL_PORT"] == str(AIS_PORT)
+    """What AIS requires is the pod's constant, not a setting: 0.0.0.0:8000, keep-alive above the target's 6 s."""
+    assert (config.HOST, config.PORT) == ("0.0.0.0", AIS_PORT) and config.KEEPALIVE_SECONDS > 6
     assert dockerfile.final.last("EXPOSE").value.split() == [str(AIS_PORT)]
-    # The image's settings pass the service's own start-up validation (keep-alive above 6 s included).
-    settings = Settings.from_env({k: v for k, v in env.items() if k != "PATH"})
-    assert settings.keepalive > 6 and settings.port == AIS_PORT
+    assert f"127.0.0.1:{AIS_PORT}/health" in " ".join(dockerfile.final.healthcheck()[1])
+    # The image's settings pass the service's own start-up validation.
+    Settings.from_env({k: v for k, v in dockerfile.image_env().items() if k != "PATH"})
 
 
 def switch_refused(uid: int, gid: int) -> str | None:
@@ -397,7 +398,6 @@ def _image_env(dockerfile: Dockerfile, port: int) -> dict[str, str]:
         if key == "PATH":  # /opt/venv/bin in the image = the environment running these tests
             value = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         env[key] = value
-    env.update(ETL_HOST="127.0.0.1", ETL_PORT=str(port))
     return env
 
 
@@ -410,7 +410,7 @@ class ImageProcess(Service):
         argv = dockerfile.final.exec_form("ENTRYPOINT") + dockerfile.final.exec_form("CMD")
         executable = shutil.which(argv[0], path=env["PATH"])
         assert executable, f"{argv[0]} (ENTRYPOINT) is not installed next to {sys.executable}"
-        self.argv = [executable, *argv[1:]]
+        self.argv = [executable, *argv[1:], "--host", "127.0.0.1", "--port", str(port)]  # loopback, a free port
         started = time.monotonic()
         super().__init__("image", self.argv, env, workdir, port, cwd=workdir)
         self.wait_healthy(START_TIMEOUT)
@@ -439,7 +439,9 @@ def test_entry_command_answers_health_and_the_healthcheck(image: ImageProcess, d
     health = httpx.get(image.url + "/health", timeout=5)
     assert health.status_code == 200
     executable = shutil.which(command[0], path=image.env["PATH"])
-    probe = subprocess.run([executable, *command[1:]], env=image.env, capture_output=True, timeout=10)
+    # The probe as written, on this test's port (the image listens on 8000, the test on a free one)
+    probe_argv = [arg.replace(f":{AIS_PORT}/", f":{image.port}/") for arg in command[1:]]
+    probe = subprocess.run([executable, *probe_argv], env=image.env, capture_output=True, timeout=10)
     assert probe.returncode == 0, probe.stderr
     print(f"entry command ready after {image.ready_after:.2f}s")
 
@@ -575,6 +577,9 @@ def test_runtime_spec_follows_the_contract(spec: dict, dockerfile: Dockerfile) -
     assert settings.obj_timeout == parse_duration(spec["obj_timeout"], "obj_timeout"), (
         "ETL_OBJ_TIMEOUT must equal obj_timeout: the pod budgets its work and outbound calls with it"
     )
+    # Given once: the pod's copy is a YAML alias of obj_timeout, not a second value for a human to keep equal
+    text = RUNTIME_SPEC.read_text()
+    assert re.search(r"^obj_timeout: &(\w+) ", text, re.M) and "value: *obj_timeout" in text
     assert parse_duration(spec["init_timeout"], "init_timeout") >= 120, "a first image pull takes minutes"
 
 

@@ -23,8 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the AIS ETL transformer service (the pod's entry point)")
-    serve.add_argument("--host", help="listen address (default: ETL_HOST or 0.0.0.0)")
-    serve.add_argument("--port", type=int, help="listen port (default: ETL_PORT or 8000)")
+    serve.add_argument("--host", help="listen address (default 0.0.0.0, as AIS requires)")
+    serve.add_argument("--port", type=int, help="listen port (default 8000, as AIS requires)")
 
     apply = commands.add_parser("apply", help="transform local shards with the service's engine")
     apply.add_argument("inputs", nargs="+", type=Path, help="input shard(s); with several, OUT is a folder")

@@ -19,7 +19,13 @@ from .errors import ConfigError, OptionsError
 DTYPES = ("float32", "float16", "uint8")
 LAYOUTS = ("CHW", "HWC")
 ERROR_POLICIES = ("skip", "fail", "passthrough")
-MAX_INFLIGHT_SHARDS = 8  # ETL_MAX_INFLIGHT's default: this many shards' windows
+MAX_INFLIGHT_SHARDS = 8  # samples in flight in a process: this many shards' windows (AIS sends 8 shards at once)
+# What AIS requires of the pod, not a choice: it calls 0.0.0.0:8000 through the ETL's service, and its targets
+# drop an idle connection after 6 s, so the pod's keep-alive must outlast that (a stale connection is never reused).
+HOST = "0.0.0.0"
+PORT = 8000
+KEEPALIVE_SECONDS = 75
+_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 
 # name -> (default, description). The single source of truth for docs/settings.md's table.
 VARIABLES: dict[str, tuple[str, str]] = {
@@ -35,11 +41,9 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "ETL_WORKERS": ("", "Transform threads in all; empty = the CPUs this container may use (cgroup aware)."),
     "ETL_PROCESSES": ("", "Transform worker processes the threads are spread over (each shard is led by one and its "
                       "samples run in all); 0 = the server's own process. Empty = 0 up to 4 workers, else one per 3 "
-                      "workers (docs/performance.md, \"Cores\")."),
-    "ETL_WINDOW": ("", "Samples in flight per shard; empty = 2 x workers + 2."),
-    "ETL_MAX_INFLIGHT": ("", "Samples in flight across all shards (memory: each holds its input and, once "
-                         "transformed, its output until written); empty = 8 x the window, per process."),
-    "ETL_OBJ_TIMEOUT": ("300s", "Time budget per object, same as the ETL's obj_timeout (Go duration or seconds)."),
+                      "workers (docs/design.md, \"Cores\"): set it only to choose the other design."),
+    "ETL_OBJ_TIMEOUT": ("300s", "Time budget per object: the ETL's obj_timeout, given once (the client's register "
+                        "and k8s/etl-spec.yaml write both from one value). A Go duration or seconds."),
     "ETL_WORKER_TIMEOUT": ("20s", "With worker processes: a worker whose heartbeat is this late (stopped, or hung in "
                            "native code), or one of whose samples runs this long, is killed and replaced; the shards "
                            "it led fail by name. Detected within 2 x this (docs/reliability.md)."),
@@ -53,14 +57,9 @@ VARIABLES: dict[str, tuple[str, str]] = {
                         "request)."),
     "ETL_DCT_SCALING": ("false", "true: with crop_decode, decode a JPEG at 1/2, 1/4 or 1/8 scale in the DCT domain "
                         "when the region read is at least twice the output: faster on large images, but not "
-                        "torchvision's output (docs/performance.md gives the error); etl_args dct_scaling overrides "
-                        "it per request."),
+                        "torchvision's output (docs/design-decoding.md gives the error); etl_args dct_scaling "
+                        "overrides it per request."),
     "ETL_ERROR_MANIFEST": ("true", "Append __etl__/errors.json to shards that lost or kept-as-is samples."),
-    "ETL_DIRECT_SEND": ("true", "Shard output is written to the socket by the shard's own thread, not the event loop "
-                        "(faster; false sends every chunk through uvicorn)."),
-    "ETL_KEEPALIVE": ("75", "HTTP keep-alive seconds; must exceed the target's 6 s idle timeout."),
-    "ETL_HOST": ("0.0.0.0", "Listen address (AIS requires 0.0.0.0)."),
-    "ETL_PORT": ("8000", "Listen port (AIS requires 8000)."),
     "ETL_LOG_LEVEL": ("info", "Log level: debug, info, warning, error."),
     "ETL_TERMINATION_LOG": ("/dev/termination-log", "File `serve` writes the reason into when it cannot start (a bad "
                             "setting), for Kubernetes to show in the container status and AIS in `ais etl init`'s "
@@ -101,7 +100,7 @@ def processes_for(workers: int) -> int:
     The server process's GIL caps its threads at about 5 cores' worth of work, and relaying a shard
     through a worker process costs about a tenth more CPU per image: up to 4 cores the threads deliver
     more. A transform thread holds its GIL about a quarter of its time, so three threads keep a
-    worker's GIL under about three quarters busy (docs/performance.md, "Cores").
+    worker's GIL under about three quarters busy (docs/design.md, "Cores: threads, then worker processes").
     """
     return 0 if workers <= 4 else math.ceil(workers / 3)
 
@@ -139,6 +138,54 @@ def _cpu_quota() -> float | None:
         return None
 
 
+class _Reader:
+    """The environment's values as the settings read them: ``VARIABLES``' default for an unset name, and one way
+    of reading each kind (text, an integer with a floor, a choice, a true/false flag), each error naming its
+    variable."""
+
+    def __init__(self, env: Mapping[str, str]):
+        self.env = env
+
+    def text(self, name: str, default: str | None = None) -> str:
+        return self.env.get(name, VARIABLES[name][0] if default is None else default).strip()
+
+    def integer(self, name: str, minimum: int, default: int | None = None) -> int:
+        raw = self.text(name)
+        if raw == "" and default is not None:
+            return default
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ConfigError(name, f"'{raw}' is not an integer") from None
+        if value < minimum:
+            raise ConfigError(name, f"must be at least {minimum}")
+        return value
+
+    def choice(self, name: str, allowed: tuple[str, ...]) -> str:
+        raw = self.text(name)
+        if raw not in allowed:
+            raise ConfigError(name, f"'{raw}' is not one of {', '.join(allowed)}")
+        return raw
+
+    def flag(self, name: str, default: str | None = None) -> bool:
+        raw = (self.text(name, default) or "false").lower()
+        if raw not in _TRUE + _FALSE:
+            raise ConfigError(name, "must be true or false")
+        return raw in _TRUE
+
+
+def cores(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """(transform threads, worker processes) from ``ETL_WORKERS`` and ``ETL_PROCESSES``, without importing torch:
+    ``serve`` reads them before anything else, to start the workers' fork server first."""
+    read = _Reader(os.environ if environ is None else environ)
+    workers = read.integer("ETL_WORKERS", 1, default=available_cpus())
+    processes = read.integer("ETL_PROCESSES", 0, default=processes_for(workers))
+    if processes > workers:
+        raise ConfigError("ETL_PROCESSES", f"{processes} processes for {workers} transform threads (ETL_WORKERS): "
+                          "each process needs at least one")
+    return workers, processes
+
+
 @dataclass(frozen=True)
 class Settings:
     """Validated service settings. Build with ``Settings.from_env()``."""
@@ -164,10 +211,7 @@ class Settings:
     error_manifest: bool = True
     crop_decode: bool = True
     dct_scaling: bool = False
-    direct_send: bool = True
-    keepalive: int = 75
-    host: str = "0.0.0.0"
-    port: int = 8000
+    direct_send: bool = True  # the output written to the socket by the shard's thread; off only in an A/B benchmark
     log_level: str = "info"
     termination_log: str = "/dev/termination-log"
     ais_target_url: str = ""
@@ -180,89 +224,43 @@ class Settings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         env = dict(os.environ if environ is None else environ)
-
-        def get(name: str) -> str:
-            return env.get(name, VARIABLES[name][0]).strip()
-
-        def integer(name: str, minimum: int, default: int | None = None) -> int:
-            raw = get(name)
-            if raw == "" and default is not None:
-                return default
-            try:
-                value = int(raw)
-            except ValueError:
-                raise ConfigError(name, f"'{raw}' is not an integer") from None
-            if value < minimum:
-                raise ConfigError(name, f"must be at least {minimum}")
-            return value
-
-        def choice(name: str, allowed: tuple[str, ...]) -> str:
-            raw = get(name)
-            if raw not in allowed:
-                raise ConfigError(name, f"'{raw}' is not one of {', '.join(allowed)}")
-            return raw
-
+        read = _Reader(env)
         from .spec import build_pipeline, parse_spec_text  # torch import only when settings are built
 
-        preset = get("ETL_PRESET")
+        preset = read.text("ETL_PRESET")
         transforms = None
         try:
             build_pipeline(preset, "ETL_PRESET")
-            if get("ETL_TRANSFORMS"):
-                transforms = parse_spec_text(get("ETL_TRANSFORMS"), "ETL_TRANSFORMS")
+            if read.text("ETL_TRANSFORMS"):
+                transforms = parse_spec_text(read.text("ETL_TRANSFORMS"), "ETL_TRANSFORMS")
                 build_pipeline(transforms, "ETL_TRANSFORMS")
         except OptionsError as exc:
             raise ConfigError(exc.field, exc.reason) from None
 
-        seed_text = get("ETL_SEED")
-        seed = integer("ETL_SEED", -(2**63)) if seed_text else None
-        workers = integer("ETL_WORKERS", 1, default=available_cpus())
-        processes = integer("ETL_PROCESSES", 0, default=processes_for(workers))
-        if processes > workers:
-            raise ConfigError("ETL_PROCESSES", f"{processes} processes for {workers} transform threads (ETL_WORKERS): "
-                              "each process needs at least one")
-        # A shard's samples run on every thread, in worker processes too (server/spread.py).
-        window = integer("ETL_WINDOW", 1, default=2 * workers + 2)
-        image_exts = frozenset(e.strip().lower().lstrip(".") for e in get("ETL_IMAGE_EXTS").split(",") if e.strip())
+        seed = read.integer("ETL_SEED", -(2**63)) if read.text("ETL_SEED") else None
+        workers, processes = cores(env)
+        window = 2 * workers + 2  # a shard's samples run on every thread, in worker processes too (server/spread.py)
+        image_exts = frozenset(e.strip().lower().lstrip(".") for e in read.text("ETL_IMAGE_EXTS").split(",")
+                               if e.strip())
         if not image_exts:
             raise ConfigError("ETL_IMAGE_EXTS", "needs at least one extension")
-        mask_exts = frozenset(e.strip().lower().lstrip(".") for e in get("ETL_MASK_EXTS").split(",") if e.strip())
+        mask_exts = frozenset(e.strip().lower().lstrip(".") for e in read.text("ETL_MASK_EXTS").split(",")
+                              if e.strip())
         for ext in mask_exts:
             if ext.rsplit(".", 1)[-1] not in image_exts:
                 raise ConfigError("ETL_MASK_EXTS", f"'{ext}' does not end in an image extension of ETL_IMAGE_EXTS")
-        manifest = get("ETL_ERROR_MANIFEST").lower()
-        if manifest not in ("true", "false", "1", "0", "yes", "no"):
-            raise ConfigError("ETL_ERROR_MANIFEST", "must be true or false")
-        crop_decode = get("ETL_CROP_DECODE").lower()
-        if crop_decode not in ("true", "false", "1", "0", "yes", "no"):
-            raise ConfigError("ETL_CROP_DECODE", "must be true or false")
-        dct_scaling = get("ETL_DCT_SCALING").lower()
-        if dct_scaling not in ("true", "false", "1", "0", "yes", "no"):
-            raise ConfigError("ETL_DCT_SCALING", "must be true or false")
-        direct_send = get("ETL_DIRECT_SEND").lower()
-        if direct_send not in ("true", "false", "1", "0", "yes", "no"):
-            raise ConfigError("ETL_DIRECT_SEND", "must be true or false")
-        keepalive = integer("ETL_KEEPALIVE", 1)
-        if keepalive <= 6:
-            raise ConfigError("ETL_KEEPALIVE", "must exceed the AIS target's 6 s idle timeout (stale-connection race)")
-        level = get("ETL_LOG_LEVEL").lower()
+        level = read.text("ETL_LOG_LEVEL").lower()
         if level not in ("debug", "info", "warning", "error"):
             raise ConfigError("ETL_LOG_LEVEL", f"'{level}' is not debug, info, warning or error")
-        port = integer("ETL_PORT", 1)
-        if port > 65535:
-            raise ConfigError("ETL_PORT", f"{port} is not a TCP port (1-65535)")
-        roots = tuple(os.path.realpath(r.strip()) for r in get("ETL_FQN_ROOTS").split(",") if r.strip())
+        roots = tuple(os.path.realpath(r.strip()) for r in read.text("ETL_FQN_ROOTS").split(",") if r.strip())
         skip_name = "AIS_SKIP_VERIFY_CRT" if "AIS_SKIP_VERIFY_CRT" in env or "AIS_SKIP_VERIFY" not in env \
             else "AIS_SKIP_VERIFY"
-        skip_verify = env.get(skip_name, "").strip().lower() or "false"
-        if skip_verify not in ("true", "false", "1", "0", "yes", "no"):
-            raise ConfigError(skip_name, "must be true or false")
         settings = cls(
             preset=preset,
             transforms=transforms,
-            dtype=choice("ETL_DTYPE", DTYPES),
-            layout=choice("ETL_LAYOUT", LAYOUTS),
-            on_error=choice("ETL_ON_ERROR", ERROR_POLICIES),
+            dtype=read.choice("ETL_DTYPE", DTYPES),
+            layout=read.choice("ETL_LAYOUT", LAYOUTS),
+            on_error=read.choice("ETL_ON_ERROR", ERROR_POLICIES),
             seed=seed,
             image_exts=image_exts,
             mask_exts=mask_exts,
@@ -271,28 +269,24 @@ class Settings:
             window=window,
             # Room for the windows of the 8 shards AIS sends at once (8 ws connections per offline job
             # per target): with fewer slots than the shards' windows, each driver waits for a slot per
-            # sample, a wake-up per sample (docs/performance.md gives the figure).
-            max_inflight=integer("ETL_MAX_INFLIGHT", 1, default=MAX_INFLIGHT_SHARDS * window * max(1, processes)),
-            obj_timeout=parse_duration(get("ETL_OBJ_TIMEOUT"), "ETL_OBJ_TIMEOUT"),
-            worker_timeout=parse_duration(get("ETL_WORKER_TIMEOUT"), "ETL_WORKER_TIMEOUT"),
-            max_member_bytes=integer("ETL_MAX_MEMBER_BYTES", 1),
-            max_shard_bytes=integer("ETL_MAX_SHARD_BYTES", 1),
-            max_image_pixels=integer("ETL_MAX_IMAGE_PIXELS", 1),
+            # sample, a wake-up per sample (docs/design.md gives the figure).
+            max_inflight=MAX_INFLIGHT_SHARDS * window * max(1, processes),
+            obj_timeout=parse_duration(read.text("ETL_OBJ_TIMEOUT"), "ETL_OBJ_TIMEOUT"),
+            worker_timeout=parse_duration(read.text("ETL_WORKER_TIMEOUT"), "ETL_WORKER_TIMEOUT"),
+            max_member_bytes=read.integer("ETL_MAX_MEMBER_BYTES", 1),
+            max_shard_bytes=read.integer("ETL_MAX_SHARD_BYTES", 1),
+            max_image_pixels=read.integer("ETL_MAX_IMAGE_PIXELS", 1),
             fqn_roots=roots,
-            error_manifest=manifest in ("true", "1", "yes"),
-            crop_decode=crop_decode in ("true", "1", "yes"),
-            dct_scaling=dct_scaling in ("true", "1", "yes"),
-            direct_send=direct_send in ("true", "1", "yes"),
-            keepalive=keepalive,
-            host=get("ETL_HOST"),
-            port=port,
+            error_manifest=read.flag("ETL_ERROR_MANIFEST"),
+            crop_decode=read.flag("ETL_CROP_DECODE"),
+            dct_scaling=read.flag("ETL_DCT_SCALING"),
             log_level=level,
-            termination_log=get("ETL_TERMINATION_LOG"),
-            ais_target_url=get("AIS_TARGET_URL").rstrip("/"),
-            ais_crt=get("AIS_CRT"),
-            ais_crt_key=get("AIS_CRT_KEY"),
-            ais_client_ca=get("AIS_CLIENT_CA"),
-            ais_skip_verify=skip_verify in ("true", "1", "yes"),
+            termination_log=read.text("ETL_TERMINATION_LOG"),
+            ais_target_url=read.text("AIS_TARGET_URL").rstrip("/"),
+            ais_crt=read.text("AIS_CRT"),
+            ais_crt_key=read.text("AIS_CRT_KEY"),
+            ais_client_ca=read.text("AIS_CLIENT_CA"),
+            ais_skip_verify=read.flag(skip_name, default="false"),
             env=env,
         )
         settings.ais_tls()  # an unreadable or mismatched certificate stops the pod here, naming the variable

@@ -16,8 +16,8 @@ from .errors import TransformerError
 
 
 def serve(host: str | None = None, port: int | None = None) -> int:
-    """Run the service under uvicorn until it stops; ``host`` and ``port`` (when given) override the settings'."""
-    from .config import Settings, write_termination_log
+    """Run the service under uvicorn until it stops, on ``host``:``port`` (AIS's 0.0.0.0:8000 unless given)."""
+    from .config import HOST, KEEPALIVE_SECONDS, PORT, Settings, write_termination_log
     from .redact import configure, install_logging, redact
 
     configure(os.environ.get("AIS_TARGET_URL", ""))  # before anything is written: the ETL secret stays out
@@ -41,11 +41,11 @@ def serve(host: str | None = None, port: int | None = None) -> int:
     uvicorn.run(
         "transformer.server:create_app",
         factory=True,
-        host=host or settings.host,
-        port=port or settings.port,
+        host=host or HOST,
+        port=port or PORT,
         # Above the AIS target's 6 s idle timeout, so the target never reuses a connection we closed
         # (AIS does not retry a PUT that failed with EOF; ext/etl/communicator.go).
-        timeout_keep_alive=settings.keepalive,
+        timeout_keep_alive=KEEPALIVE_SECONDS,
         # uvicorn's httptools protocol, which also hands the connection's transport to shard responses
         # so the shard's driver thread can write the output itself (server/direct.py).
         http=DirectSendProtocol,
@@ -71,12 +71,11 @@ def serve(host: str | None = None, port: int | None = None) -> int:
 
 
 def worker_processes_likely(env: Mapping[str, str]) -> bool:
-    """Whether the settings will ask for transform worker processes, read without torch (a bad value: no)."""
-    from .config import available_cpus, processes_for
+    """Whether the settings will ask for transform worker processes, read without torch (a bad value: no; the
+    settings then say why)."""
+    from .config import cores
 
     try:
-        workers = int(env.get("ETL_WORKERS", "").strip() or available_cpus())
-        raw = env.get("ETL_PROCESSES", "").strip()
-        return (int(raw) if raw else processes_for(workers)) > 0
-    except ValueError:
+        return cores(env)[1] > 0
+    except TransformerError:
         return False

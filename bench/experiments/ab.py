@@ -7,7 +7,9 @@ report gives medians with min-max over rounds and B/A round by round, whose spre
 difference must exceed.
 
 ``--base REV`` checks REV out in a temporary git worktree as A and uses this checkout as B;
-``--a . --b-env ETL_DIRECT_SEND=false`` compares one version with itself under two settings.
+``--a . --b-env ETL_CROP_DECODE=false`` compares one version with itself under two settings, and ``--a . --b-plant
+loop-send`` under two designs that are no setting of the pod (``testbed/planted.py``: every chunk sent by the
+event loop, not by the shard's thread).
 
 Decided: the end marker costs nothing measurable (``bench/results/ab-end-marker/``, docs/design.md
 "The end marker"), and the output path keeps direct send and the finishing transform thread writing
@@ -20,6 +22,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import subprocess
 import tempfile
 import time
@@ -28,6 +31,7 @@ from pathlib import Path
 from bench import data, services
 from bench.report import finish, stamp, stamp_line
 from bench.stats import median
+from testbed.planted import PLANTS, planted
 
 log = logging.getLogger("bench")
 
@@ -45,9 +49,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--work", type=Path, help="folder for shards and logs (default: temporary)")
     parser.add_argument("--json", type=Path, help="also write every figure here")
     parser.add_argument("--a-env", action="append", default=[], metavar="NAME=VALUE",
-                        help="a setting for version A only (repeatable), e.g. ETL_DIRECT_SEND=false")
+                        help="a setting for version A only (repeatable), e.g. ETL_CROP_DECODE=false")
     parser.add_argument("--b-env", action="append", default=[], metavar="NAME=VALUE",
                         help="a setting for version B only (repeatable)")
+    for version in ("a", "b"):
+        parser.add_argument(f"--{version}-plant", choices=PLANTS, help=f"code planted in version {version.upper()}'s "
+                            "processes (testbed/planted.py), e.g. loop-send")
     args = parser.parse_args(argv)
     if (args.base is None) == (args.a is None):
         parser.error("give exactly one of --base and --a")
@@ -94,6 +101,10 @@ def run(a: Path, b: Path, args: argparse.Namespace, work: Path) -> dict:
     logs.mkdir(exist_ok=True)
     versions = {"A": a, "B": b}
     envs = {"A": dict(o.split("=", 1) for o in args.a_env), "B": dict(o.split("=", 1) for o in args.b_env)}
+    for name, plant in (("A", args.a_plant), ("B", args.b_plant)):
+        if plant:  # the plant's folder first, then the version's tree (start_service's PYTHONPATH)
+            envs[name].update(planted(work / f"plant-{name}", plant))
+            envs[name]["PYTHONPATH"] = os.pathsep.join([str(work / f"plant-{name}"), str(versions[name])])
     servers = {name: services.start_service(logs, work / "mp", workers, extra_env=envs[name], name=f"service-{name}",
                                             source=tree)
                for name, tree in versions.items()}
@@ -113,7 +124,8 @@ def run(a: Path, b: Path, args: argparse.Namespace, work: Path) -> dict:
     finally:
         for server in servers.values():
             server.stop()
-    return {"meta": started, "a": " ".join([str(a), *args.a_env]), "b": " ".join([str(b), *args.b_env]),
+    return {"meta": started, "a": " ".join([str(a), *args.a_env, *[f"plant:{args.a_plant}"] * bool(args.a_plant)]),
+            "b": " ".join([str(b), *args.b_env, *[f"plant:{args.b_plant}"] * bool(args.b_plant)]),
             "preset": args.preset,
             "workers": workers,
             "images_per_round": sum(s.images for s in shards), "rounds": rounds}

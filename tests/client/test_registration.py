@@ -42,13 +42,13 @@ def test_obj_timeout_rule() -> None:
 
 def test_settings_derive_the_timeout_and_the_pod_environment() -> None:
     settings = EtlSettings(image=IMAGE, images_per_shard=20_000, seconds_per_image=0.003, workers=4,
-                           dtype="uint8", seed=7, env={"ETL_WINDOW": "16"})
+                           dtype="uint8", seed=7, env={"ETL_MAX_IMAGE_PIXELS": "16000000"})
     assert settings.effective_obj_timeout == "60s"  # 20000 x 3 ms / 4 workers x 4
     assert settings.environment() == {
         "ETL_PRESET": "imagenet-train", "ETL_DTYPE": "uint8", "ETL_LAYOUT": "CHW", "ETL_ON_ERROR": "skip",
-        "ETL_SEED": "7", "ETL_WORKERS": "4", "ETL_OBJ_TIMEOUT": "60s", "ETL_WINDOW": "16"}
-    with pytest.raises(ValueError, match="unknown service variable ETL_WINDWO"):
-        EtlSettings(image=IMAGE, env={"ETL_WINDWO": "16"})
+        "ETL_SEED": "7", "ETL_WORKERS": "4", "ETL_OBJ_TIMEOUT": "60s", "ETL_MAX_IMAGE_PIXELS": "16000000"}
+    with pytest.raises(ValueError, match="unknown service variable ETL_WINDOW"):
+        EtlSettings(image=IMAGE, env={"ETL_WINDOW": "16"})
     with pytest.raises(ValueError, match="through its own field"):
         EtlSettings(image=IMAGE, env={"ETL_DTYPE": "uint8"})
     with pytest.raises(ValueError, match="ws:// requires direct_put"):

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from testbed.fake_ais import AisDisk, FakeStage, FakeTarget
+from testbed.planted import planted
 from testbed.service import Service, base_env, start_transformer
 
 from .harness import start_reference
@@ -85,9 +86,11 @@ def service(target: FakeTarget, disk: AisDisk, logs: Path) -> Iterator[Service]:
 
 
 @pytest.fixture(scope="session")
-def loop_service(target: FakeTarget, disk: AisDisk, logs: Path) -> Iterator[Service]:
-    """The service with every body and ws frame sent by the event loop (no direct send)."""
-    server = start_transformer("transformer-loop-send", logs, transformer_env(target, disk, ETL_DIRECT_SEND="false"))
+def loop_service(target: FakeTarget, disk: AisDisk, logs: Path,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """The service with every body and ws frame sent by the event loop (no direct send: ``testbed/planted.py``)."""
+    env = transformer_env(target, disk, **planted(tmp_path_factory.mktemp("loop-send"), "loop-send"))
+    server = start_transformer("transformer-loop-send", logs, env)
     yield server
     server.stop()
 

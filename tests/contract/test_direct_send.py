@@ -1,9 +1,9 @@
 """Direct send (server/direct.py): the shard's driver thread writes the body frames; the bytes are the same.
 
 The default service writes each response's body, and each ws reply's frames between its first and its
-last, from the shard's driver thread once the first chunk went out through uvicorn; ``ETL_DIRECT_SEND=false``
-sends every chunk through the event loop. Both must give the caller identical bytes, and a caller that
-reads only after sending must still get the whole shard.
+last, from the shard's driver thread once the first chunk went out through uvicorn; the ``loop-send`` plant
+(``testbed/planted.py``) sends every chunk through the event loop. Both must give the caller identical bytes,
+and a caller that reads only after sending must still get the whole shard.
 """
 
 from __future__ import annotations
@@ -207,14 +207,14 @@ import sys
 
 import uvicorn
 
-from transformer.config import Settings
+from transformer.config import KEEPALIVE_SECONDS, Settings
 from transformer.server.logs import serve_log_config
 from transformer.server.protocols import DirectSendProtocol, FragmentingWebSocketProtocol
 
 port, certfile, keyfile = sys.argv[1:4]
 settings = Settings.from_env()
 uvicorn.run("transformer.server:create_app", factory=True, host="127.0.0.1", port=int(port),
-            timeout_keep_alive=settings.keepalive,
+            timeout_keep_alive=KEEPALIVE_SECONDS,
             http=DirectSendProtocol, ws=FragmentingWebSocketProtocol,
             ws_max_size=min(16 * 2**30, max(settings.max_shard_bytes, 2**20)), ws_ping_interval=None,
             ws_ping_timeout=None, ws_per_message_deflate=False, log_level=settings.log_level,

@@ -1,6 +1,6 @@
 """A fault of the pod's own code on good samples fails the shard by name under every ``on_error``: never a skipped
 or passed-through sample in a whole-looking reply. In both designs (the threads of one process; worker processes),
-on every comm type; the fault is planted in every process of the pod (``testbed/faults.py``)."""
+on every comm type; the fault is planted in every process of the pod (``testbed/planted.py``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from testbed.fake_ais import AisDisk, FakeTarget
-from testbed.faults import planted
+from testbed.planted import planted
 from testbed.service import Service, start_transformer
 from testbed.shardgen import imagenet_like_members, make_tar
 

@@ -21,7 +21,7 @@ import pytest
 
 from scripts.image import IMAGE, container_env
 from testbed.netns import NamespaceUnavailable, enter_network_namespace
-from testbed.pods import LABEL, ContainerRuntime, PodRuntimeUnavailable, podman
+from testbed.pods import LABEL, ContainerRuntime, PodRuntimeUnavailable, listen_args, podman
 
 PORT = 8000  # what AIS connects to; nothing else listens in the test's namespace
 
@@ -99,7 +99,8 @@ class Pod:
 
 @pytest.fixture
 def run_pod(image: str, network: None, tmp_path: Path) -> Iterator:
-    """``run_pod(*podman_args, command=())`` starts a container of the image, attached, output to a log."""
+    """``run_pod(*podman_args, command=())`` starts a container of the image, attached, output to a log; without
+    ``command``, the image's own (``wds-transform serve``) on 127.0.0.1:``port``."""
     pods: list[Pod] = []
 
     def start(*podman_args: str, command: tuple[str, ...] = (), env: dict[str, str] | None = None,
@@ -108,9 +109,9 @@ def run_pod(image: str, network: None, tmp_path: Path) -> Iterator:
         log_path = tmp_path / f"{name}.log"
         argv = ["podman", "run", "--rm", "--name", name, "--label", f"{LABEL}={os.getpid()}", "--network", "host",
                 "--no-healthcheck", "--pull", "never", "--log-driver", "none", *podman_args]
-        for key, value in {"ETL_HOST": "127.0.0.1", "ETL_PORT": str(port), **(env or {})}.items():
+        for key, value in (env or {}).items():
             argv += ["--env", f"{key}={value}"]
-        argv += [image, *command]
+        argv += [image, *(command or ("serve", *listen_args(("127.0.0.1", port))))]  # the image's CMD, on this port
         with open(log_path, "wb") as sink:
             process = subprocess.Popen(argv, env=container_env(), stdin=subprocess.DEVNULL, stdout=sink,
                                        stderr=subprocess.STDOUT)

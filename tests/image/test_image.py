@@ -60,7 +60,7 @@ def test_image_config_is_the_dockerfiles(image: str) -> None:
     assert config["Cmd"] == dockerfile.final.exec_form("CMD") == ["serve"]
     assert "8000/tcp" in config["ExposedPorts"]
     env = dict(item.split("=", 1) for item in config["Env"])
-    assert env["ETL_HOST"] == "0.0.0.0" and env["ETL_PORT"] == "8000"
+    assert not any(name.startswith("ETL_") for name in env)  # no setting fixed in the image: the pod's own defaults
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
     assert config["Labels"]["org.opencontainers.image.version"] == version
     assert _inspect(image)["Healthcheck"]["Test"][0] == "CMD"  # kept: the image is built in Docker's format

@@ -106,7 +106,7 @@ class EtlSettings:
     direct_put: bool = True  # the service honors Ais-Node-Url; ws:// requires it
     command: Sequence[str] | None = None  # None: the image's entrypoint (``wds-transform serve``)
     resources: Mapping[str, Any] | None = None  # K8s requests/limits; REST/CLI only in SDK 2.0.0
-    env: Mapping[str, str] = field(default_factory=dict)  # more pod environment (e.g. ETL_WINDOW)
+    env: Mapping[str, str] = field(default_factory=dict)  # more pod environment (e.g. ETL_MAX_IMAGE_PIXELS)
 
     def __post_init__(self) -> None:
         if not self.image:

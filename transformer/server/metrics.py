@@ -27,7 +27,7 @@ class Metrics:
         self.first_byte = Histogram("etl_first_byte_seconds", "Time to the first output byte", buckets=_SECONDS,
                                     registry=r)
         self.send_path = Counter("etl_send_path", "Streamed responses by who wrote the body: 'direct' (the "
-                                 "shard's thread, ETL_DIRECT_SEND), 'loop' (the event loop), 'direct_then_loop' "
+                                 "shard's thread), 'loop' (the event loop), 'direct_then_loop' "
                                  "(a caller that read only after sending)", ["path"], registry=r)
         self.delivered = Counter("etl_delivered", "Shards transformed whole, by where the output went: 'caller' "
                                  "(the reply), 'target' (a direct put to the destination target), 'stage' (the next "

@@ -11,8 +11,8 @@
 Why a fragmented ws message: ASGI sends a WebSocket message whole, and AIS wants one message per
 object, so a 1,000-image float32 shard would be a 600 MB reply held in memory, then copied twice
 by uvicorn. RFC 6455 lets one message travel as several frames (section 5.4) and AIS's reader
-(gorilla ``NextReader``) reassembles them. Without these classes (another server, h11,
-``ETL_DIRECT_SEND=false``) the service still works: every chunk takes the ASGI path and a ws reply is
+(gorilla ``NextReader``) reassembles them. Without these classes (another server, h11, direct send
+off) the service still works: every chunk takes the ASGI path and a ws reply is
 sent whole.
 
 These classes read uvicorn's protocol attributes (``scope``, ``transport``, ``conn``, ``writable``);

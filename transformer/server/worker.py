@@ -12,7 +12,7 @@ the others' (``spread.SpreadPool``), and ``Reply`` sends the output. The first c
 server as a frame (``HEADER``: kind, length), which starts the response; then the server hands over
 the caller's connection, and this process writes the rest of the body to it (``direct.FrameWriter``),
 as the threads design does from the server's threads. Without that hand-over (TLS, a direct put or
-a next stage, ``ETL_DIRECT_SEND=false``) every chunk goes to the server in frames. The shard ends with
+a next stage, the loop-send A/B) every chunk goes to the server in frames. The shard ends with
 its report (``DONE``) or its error (``FAILED``), pickled.
 
 A heartbeat thread writes the board every ``BEAT_SECONDS``, unless a sample has been running longer

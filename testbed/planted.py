@@ -1,9 +1,10 @@
-"""Faults planted in every Python process of a pod under test: the server, its fork server and the workers.
+"""Code planted in every Python process of a pod under test (the server, its fork server and the workers): faults
+of the pod's own machinery, and a benchmark's or a test's A/B switch that is no setting of the pod.
 
 A monkeypatch in the test process never reaches the pod's worker processes: they are forked from a fork
-server that a fresh interpreter runs. Instead ``planted(folder, fault, every)`` gives the environment that
+server that a fresh interpreter runs. Instead ``planted(folder, what, every)`` gives the environment that
 puts a ``sitecustomize`` module on ``PYTHONPATH``: Python imports it at the start of every interpreter
-the pod runs, it patches the one function the fault names, and the forked workers inherit the patch.
+the pod runs, it patches the one function ``what`` names, and the forked workers inherit the patch.
 Each process counts its own calls, so "every 7th" holds in each process apart.
 
 The faults are failures of the pod's own machinery on perfectly good samples (the sample's content is
@@ -13,6 +14,9 @@ never at fault), so a reply may be the reference bytes or a failed one, never a 
   output path, in whichever process transforms the sample);
 * ``arena-lease``: mapping a block of another worker's shared-memory arena raises ``OSError`` (the
   leader reading a result, a worker reading a sample it was sent).
+
+And one switch: ``loop-send``, every chunk of the output sent by the event loop (uvicorn), never by the
+shard's own thread; the design the direct send is measured and tested against.
 """
 
 from __future__ import annotations
@@ -20,13 +24,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-VARIABLE = "AIS_WDS_PLANTED_FAULT"  # "<fault>:<every>"; read by the sitecustomize below, by no product code
-FAULTS = ("npy-descr", "arena-lease")
+VARIABLE = "AIS_WDS_PLANTED"  # "<what>:<every>"; read by the sitecustomize below, by no product code
+PLANTS = ("npy-descr", "arena-lease", "loop-send")
 
 _SITECUSTOMIZE = '''
 import os
 
-_fault, _, _every = os.environ.get("AIS_WDS_PLANTED_FAULT", "").partition(":")
+_fault, _, _every = os.environ.get("AIS_WDS_PLANTED", "").partition(":")
 
 
 def _every_nth(function, error):
@@ -49,13 +53,24 @@ elif _fault == "arena-lease":
     import transformer.server.arena
 
     transformer.server.arena.lease = _every_nth(transformer.server.arena.lease, OSError)
+elif _fault == "loop-send":
+    import dataclasses
+
+    import transformer.config
+
+    _from_env = transformer.config.Settings.from_env.__func__
+
+    def _loop_send(cls, environ=None):
+        return dataclasses.replace(_from_env(cls, environ), direct_send=False)
+
+    transformer.config.Settings.from_env = classmethod(_loop_send)
 '''
 
 
-def planted(folder: Path, fault: str, every: int) -> dict[str, str]:
-    """The variables that plant ``fault`` on every ``every``-th call in each process of a pod started with them."""
-    if fault not in FAULTS:
-        raise ValueError(f"unknown fault {fault!r}; choose one of {FAULTS}")
+def planted(folder: Path, fault: str, every: int = 1) -> dict[str, str]:
+    """The variables that plant ``fault`` (on every ``every``-th call in each process) in a pod started with them."""
+    if fault not in PLANTS:
+        raise ValueError(f"unknown plant {fault!r}; choose one of {PLANTS}")
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(_SITECUSTOMIZE)
     path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
