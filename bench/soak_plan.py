@@ -13,9 +13,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from transformer.wire import COMM_TYPES
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-COMMS = ("hpush", "hpull", "ws")
+COMMS = COMM_TYPES  # an ETL of each
 SEED = 11
 EPOCHS = (0, 1)
 LEFT_SECONDS = 15.0  # a killed pod's processes must all be gone within this

@@ -60,6 +60,7 @@ from tests.deploy_files import (
 )
 from transformer import config
 from transformer.config import VARIABLES, Settings, parse_duration
+from transformer.wire import COMM_TYPES
 
 KUBERNETES_VERSION = "1.37"  # a current release; kubernetes-validate ships its schemas
 AIS_PORT = 8000  # runtime-spec pods always get containerPort 8000 named "default" (ext/etl/api.go)
@@ -562,7 +563,7 @@ def test_runtime_spec_follows_the_contract(spec: dict, dockerfile: Dockerfile) -
     name = spec["name"]
     Etl.validate_etl_name(name)  # the SDK's rule: alphanumeric at both ends
     assert 6 <= len(name) <= 32 and re.fullmatch(r"[a-z0-9-]+", name)  # cmn/k8s/util.go
-    assert spec["communication"] in ("hpush://", "hpull://", "ws://")
+    assert spec["communication"] in [f"{comm}://" for comm in COMM_TYPES]
     if spec["communication"] == "ws://":
         assert spec.get("support_direct_put") is True, "ws:// requires support_direct_put (init fails otherwise)"
     for field in ("init_timeout", "obj_timeout"):

@@ -15,10 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .errors import ConfigError, OptionsError
+from .wire import DTYPES, ERROR_POLICIES, LAYOUTS
 
-DTYPES = ("float32", "float16", "uint8")
-LAYOUTS = ("CHW", "HWC")
-ERROR_POLICIES = ("skip", "fail", "passthrough")
 MAX_INFLIGHT_SHARDS = 8  # samples in flight in a process: this many shards' windows (AIS sends 8 shards at once)
 # What AIS requires of the pod, not a choice: it calls 0.0.0.0:8000 through the ETL's service, and its targets
 # drop an idle connection after 6 s, so the pod's keep-alive must outlast that (a stale connection is never reused).

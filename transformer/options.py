@@ -17,10 +17,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .config import DTYPES, ERROR_POLICIES, LAYOUTS, Settings
+from .config import Settings
 from .errors import OptionsError
 from .spec import Pipeline, build_pipeline, parse_spec_text
-from .wire import ETL_ARG_FIELDS
+from .wire import DTYPES, ERROR_POLICIES, ETL_ARG_FIELDS, LAYOUTS
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ Standard library only: the client imports it without the server's dependencies, 
 without the client's. What lives here:
 
 * ``ETL_ARG_FIELDS``: the fields of ``etl_args`` the service accepts (``transformer.options`` parses
-  them, ``transformer.client.urls`` checks them before any request).
+  them, ``transformer.client.urls`` checks them before any request), and the values of its choices:
+  ``DTYPES``, ``LAYOUTS``, ``ERROR_POLICIES``; the ``COMM_TYPES`` an ETL serves.
 * AIS object names: ``GLOBAL_NAMESPACE`` of a uname, the ``%ob`` folder of an FQN, ``path_escape``
   (Go's ``url.PathEscape``, which AIS applies to both in its pod URLs).
 * The end marker's member name, key and format, and the input checksum it records
@@ -26,6 +27,10 @@ from urllib.parse import quote
 # The etl_args fields the service accepts; anything else is refused on both sides.
 ETL_ARG_FIELDS = ("preset", "transforms", "dtype", "layout", "seed", "epoch", "on_error", "skip", "crop_decode",
                   "dct_scaling")
+DTYPES = ("float32", "float16", "uint8")  # an image array's dtype (uint8: not normalized)
+LAYOUTS = ("CHW", "HWC")  # an image array's axes
+ERROR_POLICIES = ("skip", "fail", "passthrough")  # what a sample whose own content fails gets
+COMM_TYPES = ("hpush", "hpull", "ws")  # how AIS hands the pod an object (its spec's communication, without ://)
 
 GLOBAL_NAMESPACE = "@#"  # AIS uname of a bucket in the global namespace: <provider>/@#/<bucket>/<object>
 OBJECT_FOLDER = "%ob"  # an FQN's folder of objects: <mountpath>/@<provider>/[<ns>/]<bucket>/%ob/<object>

@@ -30,11 +30,11 @@ from typing import Any
 
 import yaml
 
-from ..config import DTYPES, ERROR_POLICIES, LAYOUTS, VARIABLES, parse_duration
+from ..config import VARIABLES, parse_duration
 from ..errors import ConfigError
+from ..wire import COMM_TYPES, DTYPES, ERROR_POLICIES, LAYOUTS
 from .errors import EtlNameError
 
-COMM_TYPES = ("hpush", "hpull", "ws")
 # What the classic PIL + torchvision v1 pipeline costs per image on one core (ImageNet-sized JPEG ->
 # 224 float32 .npy); this service's path costs less, so a timeout derived from it errs long.
 # docs/design.md gives the figures; measure yours with ``transformer.apply.measure_seconds_per_image``.

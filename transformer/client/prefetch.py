@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from ..wire import LAYOUTS
+
 log = logging.getLogger("transformer.client")
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -84,7 +86,7 @@ class CudaPrefetcher:
     ):
         if depth < 1:
             raise ValueError("CudaPrefetcher: depth must be at least 1")
-        if layout not in ("CHW", "HWC"):
+        if layout not in LAYOUTS:
             raise ValueError(f"CudaPrefetcher: layout {layout!r} is not CHW or HWC")
         if not dtype.is_floating_point:
             raise ValueError(f"CudaPrefetcher: dtype {dtype} is not a floating point type")

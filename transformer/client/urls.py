@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from ..config import DTYPES, ERROR_POLICIES, LAYOUTS
-from ..wire import ETL_ARG_FIELDS, GLOBAL_NAMESPACE, OBJECT_FOLDER, path_escape
+from ..wire import DTYPES, ERROR_POLICIES, ETL_ARG_FIELDS, GLOBAL_NAMESPACE, LAYOUTS, OBJECT_FOLDER, path_escape
 
 if TYPE_CHECKING:
     from aistore.sdk import Client
