@@ -33,8 +33,8 @@ from bench.soak_plan import (
 )
 from bench.soak_report import build_report, load_report, main, markdown, write_report
 from bench.soak_watch import HealthProber, Probe, StageWatch
+from testbed.httpserve import StaticServer
 from testbed.shardgen import make_tar, sealed
-from tests.httpserve import StaticServer
 from transformer.client import ShardFetchError
 from transformer.client.reading import shard_samples
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from testbed.httpserve import QuietServer
 from testbed.shardgen import jpeg_bytes, make_tar, read_tar
-from tests.httpserve import QuietServer
 from transformer.cli import main
 
 

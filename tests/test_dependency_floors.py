@@ -47,10 +47,10 @@ try:
 except ModuleNotFoundError:  # Python 3.10: pip's own copy of the same parser
     from pip._vendor import tomli as tomllib
 
+from testbed.httpserve import StaticServer
 from testbed.ports import free_port
 from testbed.service import Service, base_env
 from testbed.shardgen import imagenet_like_members, make_tar, read_tar
-from tests.httpserve import StaticServer
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path.home() / ".cache" / "ais-wds-transformer"

@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler
 
 import pytest
 
-from tests.httpserve import QuietServer
+from testbed.httpserve import QuietServer
 
 
 class Handler(BaseHTTPRequestHandler):

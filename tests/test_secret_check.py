@@ -15,7 +15,7 @@ import requests
 from websockets.sync.client import connect
 from websockets.sync.server import ServerConnection, serve
 
-from tests.httpserve import QuietServer
+from testbed.httpserve import QuietServer
 from tests.secret_check import BodyRecorder, PodLog, check_last, debug_gaps, leaks, planted_is_found
 
 SECRET = "Pl4ntedS3cret"

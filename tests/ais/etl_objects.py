@@ -19,7 +19,7 @@ from urllib.parse import quote, unquote
 
 import httpx
 
-from tests.httpserve import QuietServer
+from testbed.httpserve import QuietServer
 
 PREFIX = "/v1/etl/_object/"
 

@@ -23,10 +23,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from testbed.fake_proxy import FakeProxy
+from testbed.httpserve import QuietServer
 from testbed.shardgen import jpeg_bytes, make_tar
-from tests.httpserve import QuietServer
-
-from .fake_proxy import FakeProxy
 
 if TYPE_CHECKING:
     from testbed.service import Service

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from testbed.fake_proxy import FakeProxy
 from testbed.shardgen import jpeg_bytes, make_tar, trimap_bytes
 from transformer.client import ShuffleError, convert, shuffle_shards
 from transformer.client.errors import ConvertError
 from transformer.client.shuffle import dsort_framework
-
-from .fake_proxy import FakeProxy
 
 BREEDS = ["Abyssinian", "Bengal", "american_bulldog"]
 

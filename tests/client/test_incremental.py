@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from testbed.fake_proxy import FakeProxy
 from testbed.shardgen import make_tar, read_output, sealed
 from transformer.client import ClientError, EtlSettings, register, transform_bucket
 from transformer.client.errors import OrphanDeleteRefused
@@ -24,7 +25,6 @@ from transformer.integrity import marker_from_tail
 from transformer.wire import END_OF_ARCHIVE
 
 from .conftest import labelled_shard
-from .fake_proxy import FakeProxy
 
 if TYPE_CHECKING:
     from testbed.service import Service

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
+from testbed.httpserve import QuietServer
 from testbed.shardgen import npy_bytes, sealed
-from tests.httpserve import QuietServer
 from transformer.client import ClientError, ErrorCounter, ShardFetchError, make_loader
 from transformer.client.reading import open_shard
 

@@ -12,8 +12,9 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import numpy as np
 import pytest
 
+from testbed.fake_proxy import FakeProxy
+from testbed.httpserve import StaticServer
 from testbed.shardgen import read_output
-from tests.httpserve import StaticServer
 from transformer.client import (
     ClientError,
     EtlSettings,
@@ -31,7 +32,6 @@ from transformer.client.jobs import object_errors
 from transformer.client.offline import wait_transform
 
 from .conftest import labelled_shard
-from .fake_proxy import FakeProxy
 
 if TYPE_CHECKING:
     from testbed.service import Service

@@ -6,11 +6,10 @@ import pytest
 import requests
 import yaml
 
+from testbed.fake_proxy import FakeProxy
 from transformer.client import EtlSettings, EtlSpecMismatch, obj_timeout_for, register, runtime_spec_yaml, unregister
 from transformer.client.errors import EtlNameError
 from transformer.client.registration import validate_name
-
-from .fake_proxy import FakeProxy
 
 IMAGE = "registry.local/ais-wds-transformer:0.1.0"
 

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import torch
 
+from testbed.fake_proxy import FakeProxy
 from transformer.client import CudaPrefetcher, EpochUrls, LoaderStateError, make_loader, shard_urls
 from transformer.client.urls import get_etl_args
 
 from .conftest import labelled_shard
-from .fake_proxy import FakeProxy
 from .test_loader import write_shards
 from .test_service_loader import registered
 

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
+from testbed.fake_proxy import FakeProxy
 from transformer.client import CudaPrefetcher, EpochUrls, EtlSettings, make_loader, register, shard_urls
 from transformer.client.urls import get_etl_args, pod_urls
 
 from .conftest import SMALL, labelled_shard
-from .fake_proxy import FakeProxy
 
 if TYPE_CHECKING:
     from testbed.service import Service

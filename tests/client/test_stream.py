@@ -180,8 +180,8 @@ def test_an_etl_that_refuses_skip_is_read_from_the_start(caplog: pytest.LogCaptu
     from http.server import BaseHTTPRequestHandler
     from threading import Thread
 
+    from testbed.httpserve import QuietServer
     from testbed.shardgen import make_tar, sealed
-    from tests.httpserve import QuietServer
 
     shard = sealed(make_tar([(f"k{i}.cls", b"%d" % i) for i in range(6)]))
     asked = []

@@ -8,6 +8,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import pytest
 
+from testbed.fake_proxy import FakeProxy
 from transformer.client.urls import (
     EpochUrls,
     ais_fqn,
@@ -19,8 +20,6 @@ from transformer.client.urls import (
     set_etl_args,
     shard_urls,
 )
-
-from .fake_proxy import FakeProxy
 
 
 def test_etl_args_refuses_what_the_service_would() -> None:

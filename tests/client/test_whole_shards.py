@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import webdataset as wds
 
+from testbed.fake_proxy import FakeProxy
 from testbed.shardgen import make_tar, read_tar
 from transformer.client import ClientError, ErrorCounter, IncompleteShard, make_loader, shard_urls
 from transformer.client.dali import EtlBatchSource
@@ -25,7 +26,6 @@ from transformer.client.reading import tarfile_to_whole_samples
 from transformer.wire import END_MARKER_NAME
 
 from .conftest import SAMPLES, SMALL, labelled_shard
-from .fake_proxy import FakeProxy
 from .test_service_loader import fill_bucket
 
 if TYPE_CHECKING:

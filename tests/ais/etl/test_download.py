@@ -10,8 +10,8 @@ import pytest
 import requests
 
 from testbed.etl_cluster import NODES, EtlCluster
+from testbed.httpserve import StaticServer
 from testbed.shardgen import read_output
-from tests.httpserve import StaticServer
 from transformer.client import download, shard_urls
 
 from .conftest import shard_bytes

@@ -21,22 +21,18 @@ with ``etl_name`` of an ``hpull://`` ETL is redirected, like a target does, to
 ``<pod>/<PathEscape(uname)>?etl_fqn=<PathEscape(fqn)>&etl_args=..``; one of an ``hpush://`` ETL is
 relayed, status line first, with a failure after it appended as AIS's JSON error (``_relay``). So
 loaders read from the real transformer service. Object PUTs are redirected proxy -> target (307).
+
+The ETL routes and what they report back are ``fake_proxy_etl.py``; the dSort routes ``fake_proxy_dsort.py``.
 """
 
 from __future__ import annotations
 
-import base64
 import http.client
-import io
 import json
-import random
 import re
-import tarfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
-from decimal import Decimal
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
@@ -46,92 +42,13 @@ import msgspec
 from braceexpand import braceexpand
 
 from testbed.aisnames import go_path_escape
-from tests.httpserve import QuietServer
+from testbed.httpserve import QuietServer
 
-NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-DURATION = re.compile(r"^(\d+(\.\d+)?(ms|s|m|h))+$")
-INIT_FIELDS = {"name", "communication", "init_timeout", "obj_timeout", "support_direct_put", "env", "runtime",
-               "resources"}
-DSORT_FIELDS = {"input_bck", "input_format", "input_extension", "output_bck", "output_format", "output_extension",
-                "algorithm", "description", "output_shard_size", "ekm_file", "ekm_file_sep", "dsorter_type"}
+from .fake_proxy_dsort import DsortRoutes, no_step
+from .fake_proxy_etl import ContractViolation, EtlRoutes, FakeEtl, Recorded
 
 
-@dataclass
-class Recorded:
-    method: str
-    path: str
-    query: dict[str, list[str]]
-    body: Any
-    headers: dict[str, str]
-
-
-@dataclass
-class FakeEtl:
-    message: dict[str, Any]
-    stage: str = "Running"
-    xaction: str = field(default_factory=lambda: "etl-" + uuid.uuid4().hex[:8])
-    job_errors: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # offline job id -> obj_errors
-
-
-def go_duration(text: str) -> str:
-    """A duration as AIS echoes it back (Go ``time.Duration.String``): '60s' -> '1m0s'."""
-    seconds = 0.0
-    for number, _, unit in re.findall(r"(\d+(\.\d+)?)(ms|s|m|h)", text):
-        seconds += float(number) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit]
-    hours, rest = divmod(int(seconds), 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes}m{secs}s"
-    if minutes:
-        return f"{minutes}m{secs}s"
-    return f"{secs}s"
-
-
-def k8s_quantity(value: object) -> str:
-    """A K8s resource quantity as the API writes it back (``resource.Quantity``'s canonical form).
-
-    Enough of it for the tests: '0.5' -> '500m', '1000m' -> '1', '1024Mi' -> '1Gi', '1.5Gi' -> '1536Mi'.
-    """
-    match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]?)", str(value).strip())
-    if not match:
-        raise ContractViolation(f"resource quantity {value!r} is not a K8s quantity")
-    number, suffix = Decimal(match.group(1)), match.group(2)
-    if number == 0:
-        return "0"
-    binary = ["", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei"]
-    decimal = ["n", "u", "m", "", "k", "M", "G", "T", "P", "E"]
-    if suffix in binary[1:]:
-        amount = number * 1024 ** binary.index(suffix)
-        if amount == amount.to_integral_value():
-            power = max(p for p in range(len(binary)) if (amount / 1024**p) == (amount / 1024**p).to_integral_value())
-            return f"{int(amount / 1024**power)}{binary[power]}"
-        suffix = ""
-    amount = number * Decimal(10) ** (3 * (decimal.index(suffix) - 3))
-    for index in range(len(decimal) - 1, -1, -1):
-        scaled = amount / Decimal(10) ** (3 * (index - 3))
-        if scaled == scaled.to_integral_value():
-            return f"{int(scaled)}{decimal[index]}"
-    raise ContractViolation(f"resource quantity {value!r} is finer than a nano unit")
-
-
-def as_reported(message: dict[str, Any]) -> dict[str, Any]:
-    """The init message as ``GET /v1/etl/<name>`` returns it (AIS 5.0 ``ETLSpecMsg`` marshalled by Go).
-
-    Durations as Go writes them ('60s' -> '1m0s', defaults 45s/10s filled in); ``support_direct_put``
-    left out when false (``omitempty``); ``resources`` always there (``omitempty`` never drops a Go
-    struct), ``{}`` when none were asked for, with quantities in K8s's canonical form.
-    """
-    shown = {key: value for key, value in message.items() if key not in ("support_direct_put", "resources")}
-    shown["init_timeout"] = go_duration(message.get("init_timeout", "45s"))
-    shown["obj_timeout"] = go_duration(message.get("obj_timeout", "10s"))
-    if message.get("support_direct_put"):
-        shown["support_direct_put"] = True
-    shown["resources"] = {section: {name: k8s_quantity(quantity) for name, quantity in values.items()}
-                          for section, values in (message.get("resources") or {}).items() if values}
-    return shown
-
-
-class FakeProxy:
+class FakeProxy(EtlRoutes, DsortRoutes):
     def __init__(self, mountpath: Path, pod_url: str | None = None, page_size: int = 3):
         self.mountpath = Path(mountpath)
         self.pod_url = pod_url
@@ -280,89 +197,6 @@ class FakeProxy:
             return self._download(h, r)
         raise ContractViolation(f"no such AIS endpoint {r.method} {path}")
 
-    # ---- ETL (ais/prxetl.go) --------------------------------------------------------------------
-
-    def _etl(self, h: Any, r: Recorded, parts: list[str]) -> None:
-        if not parts:
-            if r.method == "PUT":
-                return self._etl_init(h, r)
-            if r.method == "GET":
-                return h.json(200, [{"id": name, "stage": etl.stage, "xaction_id": etl.xaction, "obj_count": 0,
-                                     "in_bytes": 0, "out_bytes": 0} for name, etl in self.etls.items()])
-            raise ContractViolation(f"{r.method} /v1/etl is not an ETL operation")
-        name, action = parts[0], parts[1] if len(parts) > 1 else ""
-        etl = self.etls.get(name)
-        if etl is None:
-            return h.error(404, f"p[fake]: etl job {name} does not exist")
-        if r.method == "GET" and action in ("", "logs") and etl.stage == "Aborted":
-            # AIS asks the targets, which hold nothing for a stopped ETL (ais/prxetl.go infoETL, logsETL)
-            return h.error(404, f"t[fake]: {name} does not exist")
-        if r.method == "GET" and action == "":
-            extra = set(r.query) - {"uuid"}
-            if extra:
-                raise ContractViolation(f"unexpected query {sorted(extra)} on ETL details")
-            job = r.query.get("uuid", [""])[-1]
-            return h.json(200, {"init_msg": as_reported(etl.message),
-                                "obj_errors": etl.job_errors.get(job, []) if job else []})
-        if r.method == "GET" and action == "logs":
-            # AIS: one entry per target, the pod's log base64-encoded (ais/prxetl.go logsETL).
-            logs = base64.b64encode(self.pod_logs.encode()).decode()
-            return h.json(200, [{"target_id": "t1", "logs": logs}])
-        if r.method == "POST" and action == "stop":
-            etl.stage = "Aborted"
-            return h.reply(200)
-        if r.method == "POST" and action == "start":
-            if etl.stage != "Aborted":
-                return h.error(400, f"etl job {name} is {etl.stage}; only an aborted ETL can be started")
-            etl.stage = "Running"
-            return h.reply(200)
-        if r.method == "DELETE" and action == "":  # a running ETL is stopped and deleted (ais/prxetl.go)
-            del self.etls[name]
-            return h.reply(200)
-        raise ContractViolation(f"{r.method} /v1/etl/{'/'.join(parts)} is not an ETL operation")
-
-    def _etl_init(self, h: Any, r: Recorded) -> None:
-        msg = r.body
-        if not isinstance(msg, dict):
-            raise ContractViolation("init body must be a JSON object (ETLSpecMsg)")
-        unknown = set(msg) - INIT_FIELDS
-        if unknown:
-            raise ContractViolation(f"unknown init fields {sorted(unknown)} (AIS would silently ignore them)")
-        name = msg.get("name", "")
-        if not (6 <= len(name) <= 32 and NAME.fullmatch(name)):
-            raise ContractViolation(f"invalid ETL name {name!r}")
-        comm = msg.get("communication", "")
-        if comm not in ("hpush://", "hpull://", "ws://"):
-            raise ContractViolation(f"communication {comm!r} is not hpush://, hpull:// or ws://")
-        if comm == "ws://" and msg.get("support_direct_put") is not True:
-            raise ContractViolation("ws:// requires support_direct_put: true")
-        for key in ("init_timeout", "obj_timeout"):
-            if key in msg and not DURATION.match(str(msg[key])):
-                raise ContractViolation(f"{key} {msg[key]!r} is not a Go duration")
-        if "support_direct_put" in msg and not isinstance(msg["support_direct_put"], bool):
-            raise ContractViolation("support_direct_put must be a boolean")
-        runtime = msg.get("runtime")
-        if not isinstance(runtime, dict) or not runtime.get("image"):
-            raise ContractViolation("runtime.image is required")
-        if set(runtime) - {"image", "command", "env"}:
-            raise ContractViolation(f"unknown runtime fields {sorted(set(runtime) - {'image', 'command', 'env'})}")
-        if "command" in runtime and not (isinstance(runtime["command"], list)
-                                         and all(isinstance(c, str) for c in runtime["command"])):
-            raise ContractViolation("runtime.command must be a list of strings")
-        for env in runtime.get("env", []) + msg.get("env", []):
-            if set(env) != {"name", "value"} or not all(isinstance(v, str) for v in env.values()):
-                raise ContractViolation(f"env entry {env!r} is not {{name: str, value: str}}")
-        if "resources" in msg and not set(msg["resources"]) <= {"requests", "limits"}:
-            raise ContractViolation("resources holds only requests and limits")
-        for values in (msg.get("resources") or {}).values():
-            for quantity in values.values():
-                k8s_quantity(quantity)  # AIS (K8s's JSON decoding) refuses what is not a quantity
-        if name in self.etls:
-            return h.error(409, f"etl job {name} already exists")
-        self.etls[name] = etl = FakeEtl(msg)
-        time.sleep(self.init_seconds)  # AIS answers once every target's pod is ready
-        h.reply(200, etl.xaction.encode())
-
     # ---- buckets and objects ---------------------------------------------------------------------
 
     def _provider(self, r: Recorded) -> None:
@@ -445,7 +279,7 @@ class FakeProxy:
             return h.error(501, "this fake target runs offline transforms of hpush:// ETLs only")
         if "template" in value:
             existing = set(self.objects(bucket))
-            names = [name for name in braceexpand(_no_step(value["template"])) if name in existing]
+            names = [name for name in braceexpand(no_step(value["template"])) if name in existing]
         else:
             names = list(value["objnames"])
         h.reply(200, self._offline(etl, bucket, to["name"], names, value, "etl-listrange").encode())
@@ -711,126 +545,3 @@ class FakeProxy:
         finally:
             conn.close()
         h.wfile.write(b"0\r\n\r\n")
-
-    # ---- dSort ---------------------------------------------------------------------------------------
-
-    def _dsort(self, h: Any, r: Recorded) -> None:
-        if r.method == "POST":
-            return self._dsort_start(h, r)
-        if r.method == "GET":
-            ids = r.query.get("uuid", [])
-            if len(ids) != 1 or ids[0] not in self.dsort_jobs:
-                return h.error(404, f"dsort job {ids} does not exist")
-            return h.json(200, {"t1": self.dsort_jobs[ids[0]]})
-        raise ContractViolation(f"{r.method} /v1/sort is not used by the client")
-
-    def _dsort_start(self, h: Any, r: Recorded) -> None:
-        spec = r.body
-        if not isinstance(spec, dict):
-            raise ContractViolation("dsort spec must be a JSON object")
-        if set(spec) - DSORT_FIELDS:
-            raise ContractViolation(f"unknown dsort fields {sorted(set(spec) - DSORT_FIELDS)}")
-        for key in ("input_bck", "input_format", "input_extension", "output_format", "output_extension", "algorithm"):
-            if key not in spec:
-                raise ContractViolation(f"dsort spec lacks {key}")
-        algorithm = spec["algorithm"]
-        if algorithm.get("kind") not in ("alphanumeric", "shuffle", "content"):
-            raise ContractViolation(f"algorithm kind {algorithm.get('kind')!r}")
-        if not isinstance(algorithm.get("seed", ""), str):
-            raise ContractViolation("algorithm.seed must be a string")
-        if spec.get("dsorter_type", "") not in ("", "dsort_general", "dsort_mem"):  # ext/dsort GeneralType, MemType
-            raise ContractViolation(f"dsorter_type {spec['dsorter_type']!r}")
-        if not isinstance(spec["output_format"], str) or "{" not in spec["output_format"]:
-            raise ContractViolation("output_format must be a template string")
-        source = spec["input_format"]
-        if "template" in source:
-            inputs = list(braceexpand(_no_step(source["template"])))
-        elif "objnames" in source:
-            inputs = list(source["objnames"])
-        else:
-            raise ContractViolation("input_format needs template or objnames")
-        ext = spec["input_extension"]
-        bucket = spec["input_bck"]["name"]
-        out_bucket = spec.get("output_bck", spec["input_bck"])["name"]
-        records: list[list[tuple[str, bytes]]] = []
-        extracted = 0
-        for name in inputs:
-            # AIS 5.0 (ext/dsort extractShard): the extension is appended to template names only; objnames
-            # are whole names. A missing input is skipped (missing_shards "ignore") and not counted.
-            path = self.fqn(bucket, name + ext if "template" in source else name)
-            if path.is_file():
-                records.extend(_records(path.read_bytes()))
-                extracted += 1
-        random.Random(algorithm.get("seed") or "0").shuffle(records)
-        limit = _size(spec.get("output_shard_size") or "1GiB")
-        names = iter(braceexpand(_no_step(spec["output_format"])))
-        shard: list[tuple[str, bytes]] = []
-        size = 0
-        for record in records:
-            shard.extend(record)
-            size += sum(len(data) for _, data in record)
-            if size >= limit:
-                self.put_object(out_bucket, next(names) + spec["output_extension"], _tar(shard))
-                shard, size = [], 0
-        if shard:
-            self.put_object(out_bucket, next(names) + spec["output_extension"], _tar(shard))
-        job = "srt-" + uuid.uuid4().hex[:8]
-        aborted, errors = self.dsort_error is not None, [self.dsort_error] if self.dsort_error else []
-        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        phase = {"started_time": now, "end_time": now, "elapsed": 1, "running": False, "finished": True}
-        self.dsort_jobs[job] = {
-            "id": job, "src-bck": spec["input_bck"], "dst-bck": spec.get("output_bck", spec["input_bck"]),
-            "started_time": now, "finish_time": now, "loc-objs": str(len(records)), "loc-bytes": "0",
-            "aborted": aborted, "archived": True,
-            "Metrics": {
-                "local_extraction": {**phase, "total_count": str(len(inputs)), "extracted_count": str(extracted),
-                                     "extracted_size": "0",
-                                     "extracted_record_count": str(sum(len(r) for r in records)),  # files
-                                     "extracted_to_disk_count": "0", "extracted_to_disk_size": "0"},
-                "meta_sorting": phase,
-                "shard_creation": {**phase, "to_create": "0", "created_count": "0", "moved_shard_count": "0"},
-                "aborted": aborted, "errors": errors,
-            },
-        }
-        h.reply(200, job.encode())
-
-
-class ContractViolation(Exception):
-    pass
-
-
-def _no_step(template: str) -> str:
-    return re.sub(r"\{(\d+)\.\.(\d+)\.\.1\}", r"{\1..\2}", template)
-
-
-def _size(text: str) -> int:
-    match = re.fullmatch(r"(\d+)\s*(B|KB|MB|GB|KiB|MiB|GiB)?", text.strip())
-    if not match:
-        raise ContractViolation(f"output_shard_size {text!r} is not a size like 100MB")
-    scale = {None: 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
-    return int(match.group(1)) * scale[match.group(2)]
-
-
-def _records(data: bytes) -> list[list[tuple[str, bytes]]]:
-    from webdataset.tariterators import base_plus_ext
-
-    records: list[list[tuple[str, bytes]]] = []
-    last = None
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as archive:
-        for member in archive.getmembers():
-            key = base_plus_ext(member.name)[0]
-            if key != last:
-                records.append([])
-                last = key
-            records[-1].append((member.name, archive.extractfile(member).read()))
-    return records
-
-
-def _tar(members: list[tuple[str, bytes]]) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as archive:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            archive.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
