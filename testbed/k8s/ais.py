@@ -14,7 +14,8 @@ What is the operator's (``operator/internal/resources/aistore``):
 
 What is fitted to this machine (the rest is the operator's defaults):
 - ``configToUpdate``: disk-space watermarks near 100% and ``memsys.min_free`` of 512 MiB, since the disk and
-  memory are shared with everything else on the machine;
+  memory are shared with everything else on the machine; and a ``distributed_sort`` section, which the aisnode the
+  project builds (with dSort) requires and ``aisinit``'s defaults leave out;
 - the init container asks for 0.1 CPU and 64 MiB (the operator: 1 CPU and 1 GiB, a whole node's CPU here);
 - the proxy is pinned to the control-plane node (a ``nodeSelector``), so losing node-1 loses a target, not the
   cluster's gateway;
@@ -64,7 +65,8 @@ def global_config() -> dict:
     """The operator's ``ConfigToSet``: the primary by DNS name, then ``configToUpdate``."""
     return {"proxy": {"primary_url": primary_url(), "original_url": primary_url(),
                       "discovery_url": f"http://{service('proxy')}.{NAMESPACE}.svc.{DOMAIN}:{CONTROL_PORT}"},
-            "space": cluster_config(primary_url())["space"], "memsys": {"min_free": "512MiB"}}
+            **{key: cluster_config(primary_url())[key] for key in ("space", "distributed_sort")},
+            "memsys": {"min_free": "512MiB"}}
 
 
 def local_template(role: str) -> dict:
@@ -214,6 +216,11 @@ class AisCluster:
     def node(self):
         return self.cluster
 
+    @property
+    def mountpath(self) -> str:
+        """Every target's mountpath, as its pods and the ETL pods see it."""
+        return MOUNTPATH
+
     def client(self, **kwargs):
         from aistore.sdk import Client
 
@@ -237,6 +244,23 @@ class AisCluster:
 
     def target_logs(self) -> str:
         return "\n".join(target.log_tail(10**9) for target in self.targets)
+
+    def lose_node(self, name: str) -> None:
+        """``name`` lost at once: its kubelet, containerd, kube-proxy and every pod on it (an AIS target, ETL pods)
+        killed with its namespaces; its disk stays, as a powered-off machine's would."""
+        left = self.cluster.kill_node(name)
+        if left:
+            raise KubernetesUnavailable(f"{name}'s cgroups not removed: {left}")
+
+    def bring_back(self, name: str, timeout: float = 300.0) -> None:
+        """``name`` started again (same address, disk and kubelet folder): Ready, its AIS pod restarted by its
+        kubelet, both targets in the cluster map again, and the rebalance their return starts finished."""
+        started = time.monotonic()
+        self.cluster.restart_node(name, timeout)
+        self.kube.wait(lambda: len([p for p in self.kube.ais_pods() if p.ready]) == 3, timeout, "AIS's pods Ready")
+        wait_joined(self, max(10.0, timeout - (time.monotonic() - started)))
+        cluster = self.client().cluster()
+        self.kube.wait(lambda: not cluster.list_running_jobs(job_kind="rebalance"), timeout, "the rebalance done")
 
     def stop(self, timeout: float = 60.0) -> list[str]:
         """Delete AIS's StatefulSets (SIGTERM to each aisnode); then the cluster. Returns what had to be forced:

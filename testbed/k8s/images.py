@@ -100,7 +100,7 @@ def aisnode_image(aisnode: Path, aisinit: Path, log=print) -> str:
         for binary in (aisnode, aisinit):
             shutil.copy(binary, Path(work) / binary.name)
         (Path(work) / "Containerfile").write_text(AISNODE_CONTAINERFILE)
-        done = subprocess.run(["buildah", "bud", "--pull=never", "--force-rm", "--format", "docker",
+        done = subprocess.run(["buildah", "bud", "--pull=never", "--format", "docker",
                                "--build-arg", f"BASE={base}", "-t", local, "-f", f"{work}/Containerfile", work],
                               capture_output=True, text=True, timeout=600, env=container_env())
     if done.returncode != 0:

@@ -43,8 +43,8 @@ def test_ais_runs_as_pods_one_target_per_node_calling_each_other_by_dns_name(etl
         for snode in daemons.values():
             for net in ("intra_control_net", "intra_data_net"):  # written by aisinit: <pod>.<service>.<ns>.svc...
                 assert re.fullmatch(rf"{NAME_PREFIX}{role}-\d\.{NAME_PREFIX}{role}\.ais\.svc\.cluster\.local",
-                                    snode[net]["node_hostname"]), snode[net]
-            assert snode["public_net"]["node_hostname"] in addresses  # the node's address, through the hostPort
+                                    snode[net]["node_ip_addr"]), snode[net]
+            assert snode["public_net"]["node_ip_addr"] in addresses  # the node's address, through the hostPort
     for pod in etl_cluster.kube.ais_pods():
         env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
                for e in pod.obj["spec"]["containers"][0]["env"]}
