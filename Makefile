@@ -33,7 +33,7 @@ test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30
 
 # The headline benchmark at HEAD (a few minutes on 2 cores): bench/results/headline/<date>-<time>-<commit>/, then
-# the README's and docs/performance.md's tables rewritten from it (bench/headline.py).
+# the README's and docs/' generated sections rewritten from it (bench/headline.py).
 bench: install
 	$(PY) -m bench.headline
 
@@ -79,7 +79,7 @@ cluster: install k8s-host-tools image k8s-tools
 ais-etl: install
 	$(PY) -m testbed.etl_cluster
 
-# The wheels python -m bench.gpu installs on a GPU machine without network (docs/performance.md, GPU): CPython 3.12
+# The wheels python -m bench.gpu installs on a GPU machine without network (docs/benchmarks.md, GPU): CPython 3.12
 # wheels of requirements/gpu-check.txt into GPU_WHEELS, by the venv's pip (a plain python3 may have none).
 GPU_WHEELS ?= .gpu-wheels
 gpu-wheels: install

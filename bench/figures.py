@@ -1,4 +1,4 @@
-"""The headline run's figures as README.md and docs/performance.md show them: one renderer per generated section.
+"""The headline run's figures as README.md and docs/ show them: one renderer per generated section.
 
 ``make bench`` (bench/headline.py) writes each section between its markers from the newest headline run's
 ``results.json``, and tests/test_bench_headline.py fails when a section differs from what its run gives, so no
@@ -421,8 +421,9 @@ def targets(run: Run) -> list[str]:
         lines.append(f"| peak RSS, {growth[0][2] / 2**30:.2f} GiB shard within 100 MB of a {growth[0][3] / 1e6:.0f} MB "
                      f"shard | {text} |")
     lines.append("| compute limit as high as this CPU allows | the decoder, the resize kernels and the float math are "
-                 "the fastest this CPU offers for exact output ([Decoder and resize](#decoder-and-resize)); crops "
-                 "decode only what they need ([Partial decoding](#partial-jpeg-decoding-crop_decode)). |")
+                 "the fastest this CPU offers for exact output ([Decoder and resize]"
+                 "(design-decoding.md#decoder-and-resize)); crops decode only what they need ([Partial decoding]"
+                 "(design-decoding.md#partial-jpeg-decoding-crop_decode)). |")
     return lines
 
 
@@ -493,7 +494,7 @@ def uint8(run: Run) -> list[str]:
     if "uint8" in saved and "float32" in saved:
         text += (f", and a loader reading saved uint8 output delivers {n(saved['uint8']['samples_per_s'])} samples/s "
                  f"against {n(saved['float32']['samples_per_s'])} for float32")
-    return prose(text + " (both in the run's report, linked above its table under [Results](#results)).")
+    return prose(text + " (both in the run's report, linked above its table under [Results](performance.md#results)).")
 
 
 # bench.compute's option names -> the table's, in the table's order.

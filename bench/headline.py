@@ -4,7 +4,7 @@ It runs ``python -m bench.run`` at the size below (a few minutes on 2 cores) int
 run's start and commit, ``bench/results/headline/<date>-<time>-<commit>/``, whose report records the
 commit, the date, the machine's CPUs and the load average at the start and the end. It then replaces the
 older run (one run is kept; git keeps the ones before it), keeping the replaced run's ``results.json`` beside
-the new report as ``previous.json``, and rewrites every generated section of README.md and docs/performance.md
+the new report as ``previous.json``, and rewrites every generated section of README.md and docs/ (``SECTIONS_OF``)
 from the new run: the text between ``<!-- headline NAME: <run>/results.json (bench.headline writes it) -->``
 and ``<!-- end of the headline NAME -->``, rendered by bench/figures.py. No figure of the headline run is
 written by hand anywhere else: tests/test_bench_headline.py fails when a section differs from what its run's
@@ -37,8 +37,10 @@ PERFORMANCE = REPO / "docs" / "performance.md"
 BEGIN = re.compile(r"<!-- headline (?P<name>[a-z0-9]+): (?P<source>\S+) \(bench\.headline writes it\) -->\n")
 # Each document's generated sections: one deleted, its figures typed by hand instead, shows as missing.
 SECTIONS_OF = {"README.md": ("table",),
-               "docs/performance.md": ("summary", "table", "memory", "client", "previous", "targets", "gap", "uint8",
-                                       "decoders")}
+               "docs/performance.md": ("summary", "table", "memory", "client", "targets"),
+               "docs/benchmarks.md": ("previous",),
+               "docs/design.md": ("gap",),
+               "docs/design-decoding.md": ("uint8", "decoders")}
 # A headline run named in prose: its folder (a link to its report, say), which make bench removes.
 RUN_NAMED = re.compile(r"headline/\d{8}-\d{4}-[0-9a-f]{7,}")
 

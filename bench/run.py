@@ -10,7 +10,7 @@ checked-out commit; git ignores it): ``results.json`` (every raw figure), ``resu
 machine, load average, versions, command) and ``results.png`` (plot). A run never goes into
 ``bench/results/headline/`` by default: the documents' figures come from there, and only
 ``python -m bench.headline`` (``make bench``) writes there, at the headline's size, then rewrites the sections
-README.md and docs/performance.md generate from it.
+README.md and docs/ generate from it.
 """
 
 from __future__ import annotations

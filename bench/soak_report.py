@@ -237,6 +237,7 @@ def build_report(soak, probes, loadavg_start: tuple[float, float, float]) -> dic
                                                  and offline["objects_lost"] == 0 and offline["objects_wrong"] == 0),
         "every_error_names_its_shard": reads["unnamed_errors"] == 0,
         "every_kill_recovered": bool(kills) and all(k["recovered"] for k in kills),
+        "no_pod_process_outlived_a_kill": all(not k.get("left") for k in kills),
         "no_error_while_the_etl_is_up": reads["errors_while_up"] == 0 and offline["failed_while_up"] == 0,
         f"health_p99_under_{bounds.health_p99_ms:g}ms_while_up": (
             health["probes_while_up"] > 0 and health["failures_while_up"] == 0
@@ -261,6 +262,7 @@ def markdown(report: dict) -> str:
     kills = report["kills"]
     machine = report["machine"]
     aborted = [k["aborted_s"] for k in kills if k["aborted_s"] is not None]
+    left = [k["left"] for k in kills if k.get("left") is not None]  # runs before this count have none
     running = [k["running_s"] for k in kills if k["running_s"] is not None]
     refused = ", ".join(f"{kind} {n}" for kind, n in r["shards_refused"].items()) or "none"
     lines = [
@@ -280,7 +282,8 @@ def markdown(report: dict) -> str:
         f"objects whole {o['objects_whole']}, missing {o['objects_missing']}, stored cut {o['objects_cut']} (of "
         f"which lost, untold: {o['objects_lost']}), wrong {o['objects_wrong']} |",
         f"| pod kills | {len(kills)}, {sum(k['recovered'] for k in kills)} recovered; Aborted after "
-        f"{_range(aborted)} s, Running again after {_range(running)} s (start included) |",
+        f"{_range(aborted)} s, Running again after {_range(running)} s (start included)"
+        + (f"; pod processes left 15 s after a kill: {sum(left)}" if left else "") + " |",
         f"| ETL stage transitions | {len(report['stage_transitions'])} "
         f"({', '.join(sorted({f'{a}->{b}' for _, _, a, b in report['stage_transitions']}))}) |",
         f"| panics aisnode's HTTP server recovered from (a read dropped) | "

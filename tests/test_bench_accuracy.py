@@ -23,4 +23,4 @@ def test_the_default_is_torchvisions_output_on_every_image_and_dct_scaling_is_no
     default = [r for r in rows if r["setting"] == "default"]
     assert all(r["max_abs"] == 0 and "scaled" not in r["paths"] for r in default)
     scaled = [r for r in rows if r["setting"] == "dct_scaling" and "scaled" in r["paths"]]
-    assert scaled and max(r["mae"] for r in scaled) < 0.011  # docs/performance.md: up to 0.0104
+    assert scaled and max(r["mae"] for r in scaled) < 0.011  # docs/design-decoding.md: up to 0.0104

@@ -31,11 +31,11 @@ EDITS = [("README.md", "table", r"\| compute limit \(\d+ threads\) \| ([\d,]+) \
          ("docs/performance.md", "summary", r"delivered (\d+)%"),
          ("docs/performance.md", "memory", r"\| ([\d,]+) MB \|\n"),
          ("docs/performance.md", "client", r"client-side\s+decoding ([\d,]+);"),
-         ("docs/performance.md", "previous", r"\| compute limit, images/s \(median of its rounds\) \| ([\d,]+) \|"),
+         ("docs/benchmarks.md", "previous", r"\| compute limit, images/s \(median of its rounds\) \| ([\d,]+) \|"),
          ("docs/performance.md", "targets", r"vs ([\d,]+) MB, 0\.\d\d\)"),
-         ("docs/performance.md", "gap", r"\| compute limit: decode, v2 transforms, `\.npy` \| (\d\.\d\d) \|"),
-         ("docs/performance.md", "uint8", r"reaches (\d+)% of the uint8"),
-         ("docs/performance.md", "decoders", r"\| simplejpeg \| (\d\.\d\d\d) \|")]
+         ("docs/design.md", "gap", r"\| compute limit: decode, v2 transforms, `\.npy` \| (\d\.\d\d) \|"),
+         ("docs/design-decoding.md", "uint8", r"reaches (\d+)% of the uint8"),
+         ("docs/design-decoding.md", "decoders", r"\| simplejpeg \| (\d\.\d\d\d) \|")]
 
 
 @pytest.mark.parametrize(("name", "section", "pattern"), EDITS, ids=[f"{n}-{s}" for n, s, _ in EDITS])

@@ -1,18 +1,36 @@
-"""The through-AIS soak's own judgement (bench/soak_ais.py, bench/soak_report.py), without a cluster: a read
-is whole, wrong, short or refused as it really was; each bound fails when what it bounds goes wrong; the
+"""The through-AIS soak's own judgement (bench/soak_ais.py, bench/soak_plan.py, bench/soak_report.py), without a
+cluster: a read is whole, wrong, short or refused as it really was; each bound fails when what it bounds goes wrong; the
 answers AIS gives while an ETL is down are told from a refused shard. The soak itself runs through the
 real cluster in tests/ais/etl/test_soak.py."""
 
 from __future__ import annotations
 
+import argparse
 import io
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from bench.soak_ais import Bounds, Gate, Kill, Kind, OfflineCopy, Options, Read, Soak, digest, etl_down
+from bench.soak_ais import Soak
+from bench.soak_plan import (
+    Bounds,
+    Gate,
+    Kill,
+    Kind,
+    OfflineCopy,
+    Options,
+    Read,
+    add_arguments,
+    digest,
+    etl_down,
+    options_from,
+    process_tree,
+    still_alive,
+)
 from bench.soak_report import build_report, load_report, main, markdown, write_report
 from bench.soak_watch import HealthProber, Probe, StageWatch
 from testbed.shardgen import make_tar, sealed
@@ -210,6 +228,8 @@ def _worse(soak: SimpleNamespace, what: str) -> list[Probe]:
         soak.copies[0].lost = ["good-001.tar"]
     elif what == "kill not recovered":
         soak.kills[0].running_s = None
+    elif what == "pod process left":
+        soak.kills[0].left = 1
     elif what == "aisnode exited":
         soak.exited = {"target1": "target1 exited with 2: panic"}
     elif what == "health p99":
@@ -232,6 +252,7 @@ def _worse(soak: SimpleNamespace, what: str) -> list[Probe]:
     ("error not naming the shard", "samples_delivered_none_lost_or_wrong every_error_names_its_shard"),
     ("error while the ETL is up", "no_error_while_the_etl_is_up"),
     ("kill not recovered", "every_kill_recovered"),
+    ("pod process left", "no_pod_process_outlived_a_kill"),
     ("aisnode exited", "every_aisnode_stayed_up"),
     ("health p99", "health_p99_under_100ms_while_up"),
     ("health failure", "health_p99_under_100ms_while_up"),
@@ -285,3 +306,27 @@ def test_the_kept_soaks_table_comes_back_from_its_compressed_report(capsys) -> N
     panics = [line for line in rendered if line.startswith("| panics aisnode's")]
     assert panics == ["| panics aisnode's HTTP server recovered from (a read dropped) | - |"]
     assert [line for line in rendered if line not in panics] == (KEPT / "results.md").read_text().splitlines()
+
+
+def test_a_killed_pods_processes_are_counted_until_they_are_gone() -> None:
+    """``--kill server``'s check: the processes of the pod still alive at the deadline, or 0 as soon as none is."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        tree = process_tree(sleeper.pid)
+        assert [p.pid for p in tree] == [sleeper.pid]
+        assert still_alive(tree, time.monotonic() + 0.5) == 1
+        sleeper.kill()
+        sleeper.wait()
+        started = time.monotonic()
+        assert still_alive(tree, started + 10) == 0 and time.monotonic() - started < 1
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_the_kill_and_design_options_reach_the_soak() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    options = options_from(parser.parse_args(["--processes", "2", "--kill", "server", "--duration", "60"]))
+    assert (options.processes, options.kill) == (2, "server")
+    assert (Options().processes, Options().kill) == (0, "pod")

@@ -15,6 +15,7 @@ from torchvision import tv_tensors
 from torchvision.transforms import v2
 
 from transformer import spec
+from transformer.errors import StepRefused
 
 CANVASES = [(375, 500), (500, 375), (1, 1000), (1000, 3), (224, 224), (10, 10), (1024, 683), (257, 1000)]
 
@@ -81,5 +82,6 @@ def test_the_presets_take_the_fast_path_and_the_limit_still_holds() -> None:
             assert spec.known_canvas(transform, 375, 500) is not None, (preset, transform)
     # Resize(256) of a 1 x 100000 strip asks for 25.6M x 256 pixels: refused from the size rule alone.
     strip = tv_tensors.Image(torch.zeros(3, 1, 100_000, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="ETL_MAX_IMAGE_PIXELS"):
+    with pytest.raises(StepRefused, match="ETL_MAX_IMAGE_PIXELS") as refused:
         spec.build_pipeline("imagenet-val").apply([strip], seed=0, max_pixels=4096 * 4096)
+    assert isinstance(refused.value.cause, ValueError)

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from testbed.faults import planted
 from testbed.shardgen import imagenet_like_shard, jpeg_bytes, make_tar, read_tar
 from transformer.cli import main
 from transformer.config import VARIABLES, Settings
@@ -152,6 +153,24 @@ def test_console_script_end_to_end(tmp_path: Path) -> None:
                      "sample-000001.npy", "sample-000001.cls", "sample-000001.json"]
     array = np.load(io.BytesIO(read_tar(target.read_bytes())[0][1]), allow_pickle=False)
     assert array.shape == (3, 224, 224) and array.dtype == np.float16
+
+
+@pytest.mark.parametrize("on_error", ["skip", "passthrough", "fail"])
+def test_a_fault_of_our_own_fails_the_shard_under_every_policy(tmp_path: Path, on_error: str) -> None:
+    """Good samples and a fault in the pod's own output path (planted: every 5th .npy header): a non-zero exit and
+    no output file, never a whole shard with a sample skipped or passed through."""
+    source = tmp_path / "in.tar"
+    source.write_bytes(imagenet_like_shard(8))
+    target = tmp_path / "out.tar"
+    env = {k: v for k, v in os.environ.items() if k not in VARIABLES} | {"ETL_WORKERS": "2"}
+    env |= planted(tmp_path / "fault", "npy-descr", 5)
+    done = subprocess.run([sys.executable, "-m", "transformer", "apply", str(source), str(target),
+                           "--etl-args", json.dumps({"on_error": on_error})],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "was not transformed" in done.stderr and "planted fault 'npy-descr'" in done.stderr, done.stderr
+    assert f"shard '{source}'" in done.stderr, done.stderr
+    assert not target.exists() and not list(tmp_path.glob("out.tar*"))
 
 
 def test_measure_seconds_per_image_times_the_engine_and_refuses_a_shard_without_images(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from transformer import engine
 from transformer import pool as pool_module
 from transformer.config import Settings
 from transformer.engine import ERROR_MANIFEST_NAME, ShardReport, transform_shard
-from transformer.errors import Cancelled, SampleTransformError, ShardError, TransformerError
+from transformer.errors import Cancelled, InternalError, SampleTransformError, ShardError, TransformerError
 from transformer.options import TransformOptions, options_from_mapping
 from transformer.pool import TransformPool
 from transformer.wire import END_MARKER_FORMAT, END_MARKER_NAME
@@ -186,9 +186,11 @@ def test_fail_raises_the_sample_error(run_shard: RunShard, make_options: MakeOpt
     assert info.value.status == 422
 
 
-def test_unexpected_exceptions_are_sample_errors_too(
-    monkeypatch: pytest.MonkeyPatch, run_shard: RunShard, make_options: MakeOptions
+@pytest.mark.parametrize("policy", ["skip", "passthrough", "fail"])
+def test_an_unexpected_exception_fails_the_shard_under_every_policy(
+    monkeypatch: pytest.MonkeyPatch, run_shard: RunShard, make_options: MakeOptions, policy: str
 ) -> None:
+    """A bug of ours on a good sample is the pod's failure, not the sample's: no policy skips or passes it."""
     real = engine.transform_sample
 
     def flaky(sample, *args):
@@ -197,10 +199,26 @@ def test_unexpected_exceptions_are_sample_errors_too(
         return real(sample, *args)
 
     monkeypatch.setattr(engine, "transform_sample", flaky)
-    out, report = run_shard(make_tar(mixed_members(5)), make_options(on_error="skip"))
-    (error,) = report.errors
-    assert error["key"] == "s-0003" and "internal error" in error["reason"] and "boom" in error["reason"]
-    assert not any(n.startswith("s-0003") for n, _ in read_tar(out))
+    with pytest.raises(InternalError) as info:
+        run_shard(make_tar(mixed_members(5)), make_options(on_error=policy), shard="shard-7.tar")
+    message = info.value.message
+    assert "shard 'shard-7.tar'" in message and "'s-0003'" in message and "boom" in message, message
+    assert "not completed" in message and info.value.status == 500
+
+
+def test_a_cancelled_task_fails_the_shard(monkeypatch: pytest.MonkeyPatch, run_shard: RunShard,
+                                          make_options: MakeOptions) -> None:
+    """A sample's task cancelled under it (its pool shut down, its worker process gone) is never a skipped sample."""
+    real = engine.transform_sample
+
+    def cancelled(sample, *args):
+        if sample.key == "s-0004":
+            raise CancelledError()
+        return real(sample, *args)
+
+    monkeypatch.setattr(engine, "transform_sample", cancelled)
+    with pytest.raises(InternalError, match="'s-0004' was not transformed"):
+        run_shard(make_tar(mixed_members(5)), make_options(on_error="skip"))
 
 
 def test_no_manifest_without_errors_or_when_disabled(run_shard: RunShard) -> None:

@@ -1,4 +1,4 @@
-"""The GPU run's dress rehearsal: the device-tool call docs/performance.md gives for the lent GPU machine, run here
+"""The GPU run's dress rehearsal: the device-tool call docs/benchmarks.md gives for the lent GPU machine, run here
 as written, offline, on a stand-in of that machine, up to the step that needs CUDA.
 
 A GPU machine is lent rarely and briefly, so its one run must not fail on something this machine can show. The
@@ -35,7 +35,7 @@ from bench import gpu
 from tests import gpu_wheels
 
 REPO = Path(__file__).resolve().parents[1]
-PERFORMANCE = REPO / "docs" / "performance.md"
+BENCHMARKS = REPO / "docs" / "benchmarks.md"
 MACHINE = REPO / "requirements" / "gpu-machine.txt"
 CALL = re.compile(r'run\(command="(?P<command>[^"]+)", carry=\[(?P<carry>[^\]]*)\], timeout_s=(?P<timeout>\d+)\)')
 STOOD_IN = ("torch", "torchvision")
@@ -51,10 +51,10 @@ STAND_INS = {
 
 
 def documented_call() -> tuple[str, list[str], int]:
-    """The one device-tool call docs/performance.md's GPU section gives: command, carried paths, timeout."""
-    section = PERFORMANCE.read_text().split("\n## GPU\n", 1)[1]
+    """The one device-tool call docs/benchmarks.md's GPU section gives: command, carried paths, timeout."""
+    section = BENCHMARKS.read_text().split("\n## GPU\n", 1)[1]
     calls = [c for c in CALL.finditer(section) if "bench.gpu" in c.group("command")]
-    assert len(calls) == 1, "docs/performance.md, GPU: one run(command=..., carry=[...], timeout_s=...) of bench.gpu"
+    assert len(calls) == 1, "docs/benchmarks.md, GPU: one run(command=..., carry=[...], timeout_s=...) of bench.gpu"
     call = calls[0]
     carry = [item.strip().strip('"') for item in call.group("carry").split(",") if item.strip()]
     return call.group("command"), carry, int(call.group("timeout"))

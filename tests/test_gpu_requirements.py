@@ -1,7 +1,7 @@
 """What python -m bench.gpu needs on the GPU machine is there: every requirement of the carried wheels
 (requirements/gpu-check.txt, read from their METADATA) and every import of the code that runs there, inside
 functions too, is met by a carried wheel or by the machine's own packages (requirements/gpu-machine.txt), for
-Python 3.12 on Linux; and the wheels `make gpu-wheels` fetched are the pins, of the size docs/performance.md says."""
+Python 3.12 on Linux; and the wheels `make gpu-wheels` fetched are the pins, of the size docs/benchmarks.md says."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 CARRIED = REPO / "requirements" / "gpu-check.txt"
 MACHINE = REPO / "requirements" / "gpu-machine.txt"
 WHEELS = REPO / ".gpu-wheels"
-PERFORMANCE = REPO / "docs" / "performance.md"
+BENCHMARKS = REPO / "docs" / "benchmarks.md"
 TRAVELS = 64 * 2**20  # the working tree and the carried paths together, per call of the device tool
 # The GPU machine's interpreter and platform, for environment markers.
 MARKERS = {"python_version": "3.12", "python_full_version": "3.12.0", "sys_platform": "linux",
@@ -153,17 +153,17 @@ def test_what_the_machine_lacks_on_purpose_is_skipped_there() -> None:
 
 
 def test_the_wheels_are_the_pins_and_the_doc_states_their_count_and_size() -> None:
-    """What travels to the machine: exactly the pinned wheels, of the count and size docs/performance.md gives,
+    """What travels to the machine: exactly the pinned wheels, of the count and size docs/benchmarks.md gives,
     and with the working tree within the device tool's limit."""
     wheels = gpu_wheels.fetched()
     assert gpu.wheels_problem(wheels) is None
     files = sorted(wheels.glob("*.whl"))
-    section = PERFORMANCE.read_text().split("\n## GPU\n", 1)[1]
+    section = BENCHMARKS.read_text().split("\n## GPU\n", 1)[1]
     stated = re.search(r"(\d+) wheels, ([\d.]+) MiB", section)
-    assert stated, "docs/performance.md, GPU: the carried wheels' count and size ('N wheels, X MiB')"
+    assert stated, "docs/benchmarks.md, GPU: the carried wheels' count and size ('N wheels, X MiB')"
     assert int(stated.group(1)) == len(files) == len(carried())
     assert stated.group(2) == f"{sum(f.stat().st_size for f in files) / 2**20:.1f}", (
-        "docs/performance.md, GPU: the wheels' size is not what make gpu-wheels fetched")
+        "docs/benchmarks.md, GPU: the wheels' size is not what make gpu-wheels fetched")
     # What travels: tracked files and untracked ones git does not ignore, and the carried folder.
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
                             capture_output=True, check=True).stdout.decode().split("\0")

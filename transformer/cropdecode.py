@@ -15,7 +15,7 @@ region in source pixels; ``decode_window`` then decodes no more of the JPEG than
   PIL resamples the region, given as an exact, fractional box, to the output size with the same
   bilinear antialiased filter torchvision uses. Faster on large images, but the DCT-domain reduction
   is not the antialiased resize of the full decode: the output differs from torchvision's
-  (docs/performance.md gives the error per preset, ``python -m bench.accuracy`` measures it).
+  (docs/design-decoding.md gives the error per preset, ``python -m bench.accuracy`` measures it).
 
 Everything else (no gain expected, or a decoder that refuses) returns None and the caller decodes the
 whole image; ``Resize`` + ``CenterCrop`` (imagenet-val) reads a sub-pixel region, so without
@@ -27,7 +27,7 @@ nvImageCodec (``nvidia-nvimgcodec-cu13``; its CPU-only libjpeg-turbo 3.1 backend
 nor CUDA) for the window, the one maintained binding found with a region decode. On ImageNet-size
 JPEGs the window decode of ``RandomResizedCrop`` is what saves time, since DCT scaling never applies (a
 crop of a 500 x 375 image is under 2 x 224); ``python -m bench.experiments.decode`` measures it,
-docs/performance.md gives the figures. Left out: PIL's ``draft`` scales like simplejpeg but decodes
+docs/design-decoding.md gives the figures. Left out: PIL's ``draft`` scales like simplejpeg but decodes
 slower; pyvips-binary stops after the window's last row but costs more per call; PyTurboJPEG loads a
 system libturbojpeg (a package the image would need); TorchCodec's decoders take torchvision's
 options, with neither a region nor a DCT scale.
@@ -156,7 +156,7 @@ def decode_window(data: bytearray, height: int, width: int, window: Window,
     """
     if _progressive(data):
         # All scans are read before any row comes out: a window saves nothing measurable and a reduced
-        # scale little (docs/performance.md), not worth inexact pixels.
+        # scale little (docs/design-decoding.md), not worth inexact pixels.
         return "progressive"
     scale = window.dct_scale() if dct_scaling else 1
     if scale > 1:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from . import __version__
-from .errors import Cancelled, SampleTransformError, TransformerError
+from .errors import Cancelled, InternalError, SampleTransformError, TransformerError
 from .integrity import InputDigest, ShardCheck, end_marker_payload
 from .options import TransformOptions, settings_digest
 from .pool import Task, TransformPool
@@ -247,7 +247,7 @@ class _Relay:
 
     Why: the driver thread waking once per sample, on cores it shares with the transform threads, to
     take the GIL and write what another thread just made, costs throughput that a side-by-side run
-    shows (docs/performance.md, "Who writes the output"). Here the transform thread that completes the
+    shows (docs/design.md, "Who writes the output"). Here the transform thread that completes the
     oldest unwritten sample writes it and every later one already done, holding the writer role (one
     thread at a time, ``_writing``); the driver only reads and refills the window.
 
@@ -367,11 +367,16 @@ def _outcome(
 ) -> list[Member]:
     try:
         members = future.result()
-    except SampleTransformError as exc:
+    except SampleTransformError as exc:  # the sample's own content: the policy decides
         error = exc
-    except Exception as exc:  # not anticipated: still a per-sample failure, never a silent loss
-        log.exception("unexpected error in shard %s sample %s", shard, sample.key)
-        error = SampleTransformError(shard, sample.key, sample.members[0].info.name, f"internal error: {exc!r}")
+    except Cancelled:
+        raise
+    except Exception as exc:  # the pod's own failure (a bug, a worker gone, a cancelled task): never the sample's
+        if not isinstance(exc, TransformerError):
+            log.exception("shard %s: unexpected error transforming sample %s", shard, sample.key)
+        reason = exc.message if isinstance(exc, TransformerError) else f"internal error: {exc!r}"
+        raise InternalError(f"shard '{shard}': sample '{sample.key}' was not transformed ({reason}); "
+                            "the shard was not completed") from exc
     else:
         report.images += sum(1 for m in members if m.info.name.endswith(".npy"))
         return members

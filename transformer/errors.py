@@ -41,7 +41,9 @@ class OptionsError(TransformerError):
 
 
 class SampleTransformError(TransformerError):
-    """One sample could not be transformed; the error policy decides what happens next."""
+    """One sample's own content could not be transformed (not decodable, over a limit, refused by a transform
+    step, a member name taken twice): the only failure the error policy decides on. Every other exception
+    met while transforming a sample is the pod's own and fails the shard (``engine``)."""
 
     status = 422
 
@@ -111,6 +113,17 @@ class Cancelled(TransformerError):
     """The caller went away; the work stops and nothing is reported to anyone."""
 
     status = 499
+
+
+class StepRefused(Exception):
+    """Control flow in the core: a transform step (torchvision's, with our canvas check) refused a sample's
+    tensors. ``samples.transform_sample`` words it as a ``SampleTransformError``; ``cause`` is the step's own
+    exception. Only what runs inside a step is the content's failure: an error in the code around the steps
+    is the pod's."""
+
+    def __init__(self, cause: Exception):
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 class WorkerGone(Exception):

@@ -25,7 +25,7 @@ class TransformPool:
     wait for: a ``Future`` with its ``Condition``, a work item, a ``BoundedSemaphore`` and a done
     callback. Here a task is a ``_thread`` lock (released when it ran) and the queue and the in-flight
     slots are ``queue.SimpleQueue`` (C). ``python -m bench.experiments.pool`` measures the two;
-    docs/performance.md gives the figure. Only what the engine uses of a future is kept: ``done``, ``result`` and
+    docs/design.md gives the figure. Only what the engine uses of a future is kept: ``done``, ``result`` and
     ``cancel`` (a task not started yet is skipped).
     """
 

@@ -27,7 +27,7 @@ from torchvision.io import ImageReadMode
 from torchvision.transforms.v2.functional import to_dtype
 
 from .cropdecode import FULL, decode_window, window_of
-from .errors import SampleTransformError
+from .errors import SampleTransformError, StepRefused
 from .options import TransformOptions
 from .shards import Member, Sample
 from .spec import check_canvas, known_canvas, sample_seed
@@ -39,7 +39,7 @@ Image.MAX_IMAGE_PIXELS = None
 # torchvision's decoder, called as the op ``torchvision.io.decode_image`` calls (input, mode, apply EXIF
 # orientation). The wrapper adds a DeprecationWarning per call (torchvision 0.29 moves decoding to
 # TorchCodec) and an op lookup by name: Python holding the GIL the other threads wait for (the A/B is
-# in docs/performance.md). tests/test_samples.py checks the two agree.
+# in docs/design.md). tests/test_samples.py checks the two agree.
 _decode_op = torch.ops.image.decode_image.default
 
 
@@ -60,7 +60,12 @@ def needs_transform(sample: Sample, options: TransformOptions) -> bool:
 
 
 def transform_sample(sample: Sample, options: TransformOptions, shard: str, object_name: str) -> list[Member]:
-    """The sample's output members, in input order; raises ``SampleTransformError`` naming the member."""
+    """The sample's output members, in input order.
+
+    ``SampleTransformError`` (naming the member) when the sample's own content fails: a decoder refuses its
+    bytes, a limit, a transform step refuses it, an output name is taken. Any other exception is a failure
+    of the pod's own code, raised as it is: the engine fails the shard for it.
+    """
     kinds = [member_kind(ext, options) for ext in sample.extensions]
     out_names = set()
     positions = []
@@ -84,11 +89,9 @@ def transform_sample(sample: Sample, options: TransformOptions, shard: str, obje
         if outputs is None:
             inputs = [_decode(sample.members[p], kinds[p], options, shard, sample.key) for p in positions]
             outputs = options.pipeline.apply(_typed(inputs), seed, max_pixels)
-    except SampleTransformError:
-        raise
-    except Exception as exc:  # a transform rejected this input (e.g. crop larger than the image)
+    except StepRefused as refused:  # a step refused this input (e.g. a crop larger than the image)
         member = sample.members[positions[0]].info.name
-        raise SampleTransformError(shard, sample.key, member, f"transform failed: {exc}") from exc
+        raise SampleTransformError(shard, sample.key, member, f"transform failed: {refused.cause}") from refused.cause
 
     result = list(sample.members)
     for position, tensor in zip(positions, outputs):

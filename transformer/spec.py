@@ -32,7 +32,7 @@ from torchvision.transforms.v2.functional._geometry import (
     _do_native_uint8_resize_on_cpu,
 )
 
-from .errors import OptionsError
+from .errors import OptionsError, StepRefused
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -117,7 +117,12 @@ class Pipeline:
         """
         with _RNG_LOCK:
             torch.default_generator.manual_seed((seed + index * _GOLDEN) & (2**63 - 1))
-            return _decide(self.transforms[index], flat)
+            try:
+                return _decide(self.transforms[index], flat)
+            except MemoryError:
+                raise
+            except Exception as exc:  # the step's check of its inputs refused them (a mask of another size)
+                raise StepRefused(exc) from exc
 
     def apply(self, inputs: list[Any], seed: int, max_pixels: int | None = None, *, start: int = 0,
               stop: int | None = None, decisions: list | None = None) -> list[Any]:
@@ -127,6 +132,9 @@ class Pipeline:
         anything (``ValueError``): an ordinary ``Resize(256)`` of a 1 x 100000 image, or a huge ``Pad``
         or ``CenterCrop``, would otherwise ask for gigabytes and get the pod OOM-killed. ``decisions``
         (one per step from ``start``, as ``decide`` returns them) replaces the draws.
+
+        A step that refuses the sample raises ``StepRefused`` (the sample's own failure); anything raised
+        between the steps is the pod's.
         """
         flat = list(inputs)
         stop = len(self.transforms) if stop is None else stop
@@ -137,11 +145,16 @@ class Pipeline:
                 needs, params = decision
                 if max_pixels is not None and flat:
                     check_canvas(transform, params, flat[0], max_pixels)
-                direct = _direct_step(transform, params, flat[0]) if len(flat) == 1 and needs[0] else None
-                if direct is not None:
-                    flat = [direct]
-                else:
-                    flat = [transform.transform(x, params) if need else x for x, need in zip(flat, needs)]
+                try:
+                    direct = _direct_step(transform, params, flat[0]) if len(flat) == 1 and needs[0] else None
+                    if direct is not None:
+                        flat = [direct]
+                    else:
+                        flat = [transform.transform(x, params) if need else x for x, need in zip(flat, needs)]
+                except MemoryError:
+                    raise
+                except Exception as exc:  # e.g. a crop larger than the image, a kernel refusing a shape
+                    raise StepRefused(exc) from exc
         return flat
 
 
@@ -158,7 +171,7 @@ def _direct_step(transform: v2.Transform, params: dict[str, Any], image: Any) ->
     and crop functions: Python per step that holds the GIL the other transform threads and the shard
     driver wait for, a large share of the service's GIL time under ``py-spy --gil``. Here the crop is
     the same slice and the resize the same ``interpolate`` call with the same arguments as
-    ``resize_image`` makes for uint8 CPU images (docs/performance.md gives the figures). Anything else
+    ``resize_image`` makes for uint8 CPU images (docs/design-decoding.md gives the figures). Anything else
     (other steps, masks, several images, float or CUDA tensors, another interpolation, a crop reaching
     past the edge) returns None and takes v2's own path;
     ``tests/test_spec.py`` checks the outputs are identical, pixel for pixel, to ``transform.transform``.
@@ -203,7 +216,7 @@ def resize_uint8(image: torch.Tensor, size: Sequence[int], antialias: bool | Non
 
 
 # Steps whose output canvas is known without running anything (hot path: the probe below runs dozens of
-# small torch ops per step under GIL contention; docs/performance.md gives the A/B against probing all).
+# small torch ops per step under GIL contention; docs/design.md gives the A/B against probing all).
 # Pixel-value and same-canvas geometric steps keep the input's size; these crops and resizes output
 # their own ``size`` (or torchvision's resize rule). Everything else is probed.
 # tests/test_canvas_fast_path.py checks every entry against the probe.
@@ -226,19 +239,23 @@ def known_canvas(transform: v2.Transform, height: int, width: int) -> tuple[int,
 
 
 def check_canvas(transform: v2.Transform, params: dict[str, Any], first: Any, max_pixels: int) -> None:
-    """Predict the step's output size, from its size rule or on a one-box ``BoundingBoxes`` (no pixels)."""
+    """Predict the step's output size, from its size rule or on a one-box ``BoundingBoxes`` (no pixels);
+    ``StepRefused`` when it is over ``max_pixels`` or the step refuses the probe."""
     height, width = first.shape[-2:]
     known = known_canvas(transform, height, width)
     if known is not None:
         out_height, out_width = known
     else:
         probe = tv_tensors.BoundingBoxes(torch.zeros(1, 4), format="XYXY", canvas_size=(height, width))
-        out_height, out_width = transform.transform(probe, params).canvas_size
+        try:
+            out_height, out_width = transform.transform(probe, params).canvas_size
+        except Exception as exc:
+            raise StepRefused(exc) from exc
     if out_height * out_width > max_pixels:
-        raise ValueError(
+        raise StepRefused(ValueError(
             f"{type(transform).__name__} would turn {height}x{width} into {out_height}x{out_width} = "
             f"{out_height * out_width} pixels, over the limit of {max_pixels} (ETL_MAX_IMAGE_PIXELS)"
-        )
+        ))
 
 
 def _decide(transform: v2.Transform, flat: list[Any]) -> tuple[list[bool], dict[str, Any]] | None:

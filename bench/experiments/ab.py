@@ -9,9 +9,9 @@ difference must exceed.
 ``--base REV`` checks REV out in a temporary git worktree as A and uses this checkout as B;
 ``--a . --b-env ETL_DIRECT_SEND=false`` compares one version with itself under two settings.
 
-Decided: the end marker costs nothing measurable (``bench/results/ab-end-marker/``, docs/performance.md
+Decided: the end marker costs nothing measurable (``bench/results/ab-end-marker/``, docs/design.md
 "The end marker"), and the output path keeps direct send and the finishing transform thread writing
-(``bench/results/ab-output-owner/``, docs/performance.md "Who writes the output").
+(``bench/results/ab-output-owner/``, docs/design.md "Who writes the output").
 """
 
 from __future__ import annotations

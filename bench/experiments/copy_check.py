@@ -15,7 +15,7 @@ order rotated every round:
     python -m bench.experiments.copy_check [--objects 300] [--rounds 3] [--out bench/results/copy-check]
 
 Decided: ``transform_bucket`` proves a copy whole by a 2 KiB tail read per object, not by reading it whole
-(``bench/results/copy-check/``, docs/client.md "The copy, proven whole").
+(``bench/results/copy-check/``, docs/offline.md "The copy, proven whole").
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ alternating order, so every ratio compares figures of one round; the report give
 over rounds.
 
 Decided: ``crop_decode`` on by default, ``dct_scaling`` by choice only (``bench/results/decode/``,
-docs/performance.md "Partial JPEG decoding (``crop_decode``)").
+docs/design-decoding.md "Partial JPEG decoding (``crop_decode``)").
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ same load. The main process lets each batch go when the next one arrives, as a t
 Outputs in ``--out`` (default ``bench/results/loader-ab``): ``results.json`` and ``results.md``.
 
 Decided: DataLoader workers fill batches in shared memory they keep (``batchmemory.SharedSlots``), 2-4x
-PyTorch's copy (``bench/results/loader-ab/``, docs/performance.md "Batches from DataLoader workers").
+PyTorch's copy (``bench/results/loader-ab/``, docs/design-loader.md "Batches from DataLoader workers").
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ the pool itself costs, nearly all of it Python holding the GIL that the transfor
 shard's driver thread share.
 
 Decided: the hand-written ``pool.TransformPool`` over ``ThreadPoolExecutor`` (9 against 16 us per task; one
-run, not kept: docs/performance.md "Cores: threads, then worker processes" gives it as an estimate).
+run, not kept: docs/design.md "Smaller decisions in the code" gives it as an estimate).
 """
 
 from __future__ import annotations

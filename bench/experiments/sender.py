@@ -14,13 +14,13 @@ client (``services.CurlSink``), with no tar and no server, in rounds taking turn
 * ``worker sends, refill in batches``: the same, the reader woken once ``--batch`` slots are free.
 
 With direct send, the service writes as the last row does (the engine's relay writing through
-``transformer/server/direct.py``); docs/performance.md ("Who writes the output") measures it side by
+``transformer/server/direct.py``); docs/design.md ("Who writes the output") measures it side by
 side in the service itself with ``python -m bench.experiments.ab``.
 Prints images/s per round and medians with the fraction of the compute limit.
 
 Decided: with direct send, the transform thread that finishes the oldest sample writes it
 (``engine._Relay``); no run kept here, the decision rests on ``bench.experiments.ab``'s runs in the service
-(``bench/results/ab-output-owner/``, docs/performance.md "Who writes the output").
+(``bench/results/ab-output-owner/``, docs/design.md "Who writes the output").
 """
 
 from __future__ import annotations

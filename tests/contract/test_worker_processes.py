@@ -25,7 +25,7 @@ from transformer.errors import ShardError
 from transformer.integrity import ShardCheck
 from transformer.options import parse_etl_args
 from transformer.pool import TransformPool
-from transformer.server.spread import SUSPECT_SECONDS
+from transformer.server.board import SUSPECT_SECONDS
 from transformer.shards import read_samples
 
 from .conftest import transformer_env

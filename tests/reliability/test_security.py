@@ -134,7 +134,7 @@ SAFE_IMPORTLIB = {"resources", "metadata"}
 # over socketpairs the server made and no other process holds (a shard's options, its samples' descriptions,
 # its report, its error); multiprocessing pickles a Process's arguments the same way. Nothing from a request
 # or a shard is ever unpickled.
-PRIVATE_PICKLE = {"server/processes.py", "server/worker.py", "server/spread.py", "server/ipc.py"}
+PRIVATE_PICKLE = {"server/processes.py", "server/remote.py", "server/worker.py", "server/links.py", "server/ipc.py"}
 
 
 def _source_files() -> list[Path]:

@@ -22,8 +22,9 @@ from transformer.engine import ShardReport, transform_shard
 from transformer.errors import ConfigError, InternalError, SampleTransformError, ShardError, UpstreamError
 from transformer.options import parse_etl_args
 from transformer.pool import TransformPool
-from transformer.server.processes import RemoteShard, ShardProcesses, WorkerConfig
-from transformer.server.spread import SUSPECT_SECONDS
+from transformer.server.board import SUSPECT_SECONDS
+from transformer.server.processes import ShardProcesses, WorkerConfig
+from transformer.server.remote import RemoteShard
 
 SEEDED = '{"preset": "imagenet-train", "seed": 11, "epoch": 2}'
 

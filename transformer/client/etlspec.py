@@ -37,7 +37,7 @@ from .errors import EtlNameError
 COMM_TYPES = ("hpush", "hpull", "ws")
 # What the classic PIL + torchvision v1 pipeline costs per image on one core (ImageNet-sized JPEG ->
 # 224 float32 .npy); this service's path costs less, so a timeout derived from it errs long.
-# docs/performance.md gives the figures; measure yours with ``transformer.apply.measure_seconds_per_image``.
+# docs/design.md gives the figures; measure yours with ``transformer.apply.measure_seconds_per_image``.
 DEFAULT_SECONDS_PER_IMAGE = 0.004
 DEFAULT_OBJ_TIMEOUT_FLOOR = 45.0  # the SDK's default obj_timeout: never go below it
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")

@@ -7,6 +7,12 @@ reads the heartbeats to find a stuck worker and the finished shards to know how 
 leads; a shard's leader reads the loads to choose where a sample runs (``spread.SpreadPool``). A
 single writer per field and 8-byte aligned stores: no lock, and a reader sees the old value or the
 new one.
+
+The board is also the one home of a worker's liveness, every threshold in one place: a worker beats every
+``BEAT_SECONDS`` unless one of its samples has run longer than ``stall`` (ETL_WORKER_TIMEOUT); a heartbeat
+older than ``LATE_SECONDS`` (two missed) makes it the last choice for a new shard, older than
+``SUSPECT_SECONDS`` it gets no new shard and no sample of another's, older than ``stall`` the server kills
+it (``late``, ``suspect``, ``stalled``).
 """
 
 from __future__ import annotations
@@ -14,6 +20,10 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+
+BEAT_SECONDS = 0.5  # how often a worker writes its heartbeat
+LATE_SECONDS = 1.0  # two beats missed: maybe the start of a stop; the last choice for a new shard
+SUSPECT_SECONDS = 2.0  # no new shard, no sample of another's shard (the server kills it at ``stall``)
 
 
 class Slot(ctypes.Structure):
@@ -29,21 +39,22 @@ class Slot(ctypes.Structure):
 
 
 class Board:
-    """The slots of ``workers`` worker processes in one shared memory file (``fd``, passed to each worker)."""
+    """The slots of ``workers`` worker processes in one shared memory file (``fd``, passed to each worker);
+    ``stall``: the seconds after which a worker whose heartbeat stopped is killed (ETL_WORKER_TIMEOUT)."""
 
-    def __init__(self, workers: int, fd: int | None = None):
+    def __init__(self, workers: int, stall: float = 20.0, fd: int | None = None):
         size = workers * ctypes.sizeof(Slot)
         if fd is None:
             fd = os.memfd_create("wds-transform-board", os.MFD_CLOEXEC)
             os.ftruncate(fd, size)
-        self.fd, self.workers = fd, workers
+        self.fd, self.workers, self.stall = fd, workers, stall
         self._map = mmap.mmap(fd, size)
         self.slots = (Slot * workers).from_buffer(self._map)
 
     @classmethod
-    def attach(cls, fd: int, workers: int) -> Board:
+    def attach(cls, fd: int, workers: int, stall: float) -> Board:
         """The board the server made, in a worker (``fd`` is the worker's copy)."""
-        return cls(workers, fd)
+        return cls(workers, stall, fd)
 
     def reset(self, index: int) -> None:
         """A new worker in slot ``index``: no heartbeat, no load, no shards (server, before it starts)."""
@@ -54,3 +65,23 @@ class Board:
         """Seconds since slot ``index``'s last heartbeat (infinite before the first)."""
         beat = self.slots[index].beat
         return now - beat if beat else float("inf")
+
+    def beat(self, index: int, now: float, oldest: float) -> bool:
+        """Worker ``index``'s heartbeat, unless its oldest running sample (started at ``oldest``; 0: none) has run
+        longer than ``stall``: then it is withheld, for the server to replace the worker. Whether it beat."""
+        if oldest and now - oldest > self.stall:
+            return False
+        self.slots[index].beat = now
+        return True
+
+    def late(self, index: int, now: float) -> bool:
+        """Two heartbeats missed: maybe the start of a stop (the worker is the last choice for a new shard)."""
+        return self.age(index, now) > LATE_SECONDS
+
+    def suspect(self, index: int, now: float) -> bool:
+        """No heartbeat for ``SUSPECT_SECONDS``: the worker gets no new shard and no sample of another's."""
+        return self.age(index, now) > SUSPECT_SECONDS
+
+    def stalled(self, index: int, now: float) -> bool:
+        """No heartbeat for ``stall`` seconds: stopped, or stuck in a sample; the server kills it."""
+        return self.age(index, now) > self.stall

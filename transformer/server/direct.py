@@ -8,7 +8,7 @@ the GIL released, no copy in Python. The end goes back to the event loop, so uvi
 state (keep-alive, the final chunk, the frame with FIN, the abort on failure) stays exactly theirs. A
 frame that stays unwritten for ``STALL_SECONDS`` while the body is still arriving goes to uvicorn's
 transport and the output returns to the event loop's path (a half-duplex caller).
-docs/performance.md measures both choices.
+docs/design.md measures both choices.
 
 **Never over TLS**: only the transport's SSL object may write a TLS connection's socket, so such a
 connection always takes the event loop's path (``encrypted``).

@@ -23,6 +23,7 @@ from ..engine import ShardReport, Write, transform_shard
 from ..errors import Cancelled, InternalError, TransformerError, UpstreamError
 from ..options import TransformOptions
 from ..pool import TransformPool
+from .body import BodySource
 from .duplex import duplex_put
 from .hops import (
     HEADER_DIRECT_PUT_LENGTH,
@@ -36,8 +37,9 @@ from .hops import (
 )
 from .metrics import Metrics
 from .output import Final, Output
-from .processes import Raw, RemoteShard, ShardProcesses
-from .sources import BodySource, Counting, FileSource, HttpSource, ObjectFileSource, Source
+from .processes import ShardProcesses
+from .remote import Raw, RemoteShard
+from .sources import Counting, FileSource, HttpSource, ObjectFileSource, Source
 
 log = logging.getLogger("transformer.server")
 

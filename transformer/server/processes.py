@@ -2,7 +2,7 @@
 
 Why: a transform thread holds the GIL about a quarter of its time (the per-sample Python around the
 decode, the v2 pipeline's bookkeeping, tar headers), so the threads of one process stop scaling near
-four cores whatever the node has (docs/performance.md, "Cores"). Here every worker process has its
+four cores whatever the node has (docs/design.md, "Cores"). Here every worker process has its
 own GIL and a few transform threads, and the server process, which every request reaches, only
 starts each shard and ends its response.
 
@@ -11,8 +11,8 @@ descriptors over the worker's SEQPACKET control socket: its input (the object's 
 FQN, else a pipe a feeder thread fills) and a stream socket to this process. That worker leads it:
 it reads it, spreads its samples over every worker (``spread.py``), and sends the output. The first
 chunk comes here and starts the response; then the worker is handed the caller's connection and
-writes the rest itself (``RemoteShard.offer``); the end (the last chunk, the ws frame with FIN, an
-abort) comes back here. The worker runs the same ``transform_shard`` the server runs in-process, so
+writes the rest itself; the end (the last chunk, the ws frame with FIN, an abort) comes back here
+(``remote.RemoteShard``). The worker runs the same ``transform_shard`` the server runs in-process, so
 the bytes are the same.
 
 The workers are forked by multiprocessing's fork server, which imports torch and the transforms
@@ -21,46 +21,35 @@ threaded process is never forked). Every worker writes a heartbeat on the shared
 supervisor kills one whose heartbeat is older than ``stall`` seconds (a stopped process, a hang in
 native code) and starts another. A worker that dies fails the shards it led, each with an error that
 names it; the samples it held for other shards run again in their leaders. A worker whose heartbeat
-is late gets no new shard meanwhile. The worker's side is ``worker.py``.
+is late gets no new shard meanwhile (the board holds every threshold). The server ends a worker with
+``STOP``; should the server die instead, every worker goes with it (``worker.py``, the worker's side).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
-import select
-import signal
 import socket
-import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from ..engine import ShardReport
-from ..errors import Cancelled, FrameCut, InternalError, TransformerError, WorkerGone
+from ..errors import Cancelled, TransformerError
 from ..forkserver import start_fork_server
 from ..options import TransformOptions
 from .board import Board
-from .direct import FrameLog, bytes_written, socket_of
-from .ipc import rebuilt, receive_exact
-from .spread import SUSPECT_SECONDS
+from .remote import RemoteShard, exit_text
 from .worker import (
-    DATA,
-    FEED,
-    HEADER,
-    NO_OFFER,
-    OFFER_HTTP,
-    OFFER_WS,
-    RAW,
     READY,
+    STOP,
     WorkerConfig,
     WorkerJob,
     worker_main,
@@ -68,7 +57,6 @@ from .worker import (
 
 log = logging.getLogger("transformer.server")
 
-_GRACE_SECONDS = 2.0  # past the deadline, the worker's own timeout error (with its counts) is awaited this long
 _READY_SECONDS = 300.0  # how long a worker may take to send READY
 _WATCH_SECONDS = 0.5  # how often the supervisor reads the heartbeats
 
@@ -82,7 +70,7 @@ class ShardProcesses:
         self.stall = config.stall
         self._context = multiprocessing.get_context("forkserver")
         start_fork_server()  # a no-op when ``serve`` started it already
-        self.board = Board(processes)
+        self.board = Board(processes, config.stall)
         self._cond = threading.Condition()
         self._workers: list[_Worker | None] = [None] * processes
         self._closed = False
@@ -158,7 +146,7 @@ class ShardProcesses:
                 os.close(arena)
             process.kill()
             process.join(5)
-            raise RuntimeError(f"transform worker {index} did not start ({_exit_text(process.exitcode)})")
+            raise RuntimeError(f"transform worker {index} did not start ({exit_text(process.exitcode)})")
         ours.settimeout(None)
         return _Worker(index, process, ours, arena)
 
@@ -192,8 +180,8 @@ class ShardProcesses:
         for worker in running:
             if worker.killed is not None or worker.dead.is_set():
                 continue
-            age = self.board.age(worker.index, now)
-            if age > self.stall:
+            if self.board.stalled(worker.index, now):
+                age = self.board.age(worker.index, now)
                 worker.killed = (f"stopped answering for {age:.0f} s (over ETL_WORKER_TIMEOUT, {self.stall:.0f} s: "
                                  "stopped, or stuck in a sample) and was killed")
                 log.error("transform worker process %d (pid %d) %s with %d shards in flight", worker.index,
@@ -219,7 +207,7 @@ class ShardProcesses:
                 self._spread_gone += self._spread.pop(worker.process.pid, 0)
         worker.close()
         if not closed:
-            how = worker.killed or _exit_text(worker.exitcode)
+            how = worker.killed or exit_text(worker.exitcode)
             log.error("transform worker process %d (pid %d) %s with %d shards in flight; starting a new one",
                       worker.index, worker.process.pid, how, max(0, self._leading(worker)))
             if self.on_restart is not None:
@@ -300,7 +288,7 @@ class ShardProcesses:
             raise
         job = WorkerJob(shard, object_name, options, window, limit, deadline, offer=offer, body=body, fetch=fetch,
                         origin=origin, check=check, path=path)
-        return RemoteShard(self, worker, stream, job, report, cancel, input_fd, input_error)
+        return RemoteShard(worker, stream, job, report, cancel, input_fd, input_error)
 
     def _pick(self, shard: str, cancel: threading.Event, deadline: float) -> _Worker:
         with self._cond:
@@ -308,12 +296,12 @@ class ShardProcesses:
                 if self._closed:
                     raise TransformerError(f"shard '{shard}': the server is shutting down")
                 now = time.monotonic()
+                board = self.board
                 running = [w for w in self._workers if w is not None and not w.dead.is_set() and w.killed is None
-                           and self.board.age(w.index, now) <= SUSPECT_SECONDS]
+                           and not board.suspect(w.index, now)]
                 if running:
-                    # A heartbeat over a second old (two missed) may be the start of a stop: others first.
-                    worker = min(running, key=lambda w: (self.board.age(w.index, now) > 1.0, self._leading(w),
-                                                         self.board.slots[w.index].busy))
+                    worker = min(running, key=lambda w: (board.late(w.index, now), self._leading(w),
+                                                         board.slots[w.index].busy))
                     worker.sent += 1
                     return worker
                 if cancel.is_set():
@@ -344,7 +332,9 @@ class _Worker:
             socket.send_fds(self.control, [pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)], fds)
 
     def stop(self) -> None:
-        self.control.close()  # the worker's control loop ends at its end of the socket
+        with contextlib.suppress(OSError):  # a worker that died meanwhile: nothing to tell
+            self.send((STOP,), [])
+        self.control.close()
         self.process.join(10)
         if self.process.is_alive():
             self.process.kill()
@@ -356,242 +346,3 @@ class _Worker:
         if self.arena >= 0:
             os.close(self.arena)
             self.arena = -1
-
-
-class RemoteShard:
-    """One shard led by a worker: iterate for its frames (``bytes`` to send, ``Raw`` to write as is).
-
-    ``bytes_in``, ``send_path`` and ``direct_bytes`` (what the worker wrote to the connection itself) are
-    set once the worker reported the end."""
-
-    def __init__(self, owner: ShardProcesses, worker: _Worker, stream: BinaryIO | None, job: WorkerJob,
-                 report: ShardReport, cancel: threading.Event, input_fd: int | None = None,
-                 input_error: Callable[[], BaseException | None] | None = None):
-        self.bytes_in = 0
-        self.send_path = "loop"
-        self.direct_bytes = 0
-        self.pid = worker.process.pid  # the worker process leading it
-        self._owner, self._worker, self._job, self._report, self._cancel = owner, worker, job, report, cancel
-        self._feeder: _Feeder | None = None
-        self._input_failure = input_error
-        self._socket: socket.socket | None = None
-        self._frame_log: FrameLog | None = None  # a ws reply's frames, as the worker began them
-        self._connection: socket.socket | None = None  # that reply's connection, to count what reached it
-        self._written: int | None = None  # bytes written to it before the worker took it
-        try:
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            self._socket = ours
-            fd, input_fd = input_fd, None
-            if fd is None and not job.fetch:
-                assert stream is not None
-                fd = _file_descriptor(stream)
-                if fd is None:
-                    self._feeder = _Feeder(stream, job.shard)
-                    fd = self._feeder.read_end
-            try:
-                worker.send(("job", job), [theirs.fileno()] + ([fd] if fd is not None else []))
-            except OSError as exc:  # the worker died since it was picked: its control socket is closed
-                raise InternalError(f"shard '{job.shard}': the transform worker process (pid "
-                                    f"{worker.process.pid}) could not take the shard: {exc}") from None
-            finally:
-                theirs.close()
-                if fd is not None:
-                    os.close(fd)  # the worker holds its own copies now
-            if self._feeder is not None:
-                self._feeder.start()
-        except BaseException:
-            if input_fd is not None:
-                os.close(input_fd)
-            self.close()
-            raise
-
-    def offer(self, transport, ws: bool) -> bool:
-        """After the first chunk went out: hand the worker the caller's connection (None: keep relaying).
-
-        A ws connection comes with a ``FrameLog``: should the worker die in the middle of a frame, the
-        frame is completed here (``_cut_frame``) and the connection stays usable.
-        """
-        sock = self._socket
-        assert sock is not None
-        fd = -1
-        if transport is not None:
-            try:
-                fd = socket_of(transport)
-            except OSError:
-                fd = -1
-        try:
-            if fd < 0:
-                sock.send(NO_OFFER)
-            elif ws:
-                self._frame_log = FrameLog()
-                self._connection = socket.socket(fileno=os.dup(fd))
-                self._written = bytes_written(self._connection)
-                socket.send_fds(sock, [OFFER_WS], [fd, self._frame_log.fd])
-            else:
-                socket.send_fds(sock, [OFFER_HTTP], [fd])
-        except OSError:
-            return False  # the worker is gone: its frames' end says how
-        finally:
-            if fd >= 0:
-                os.close(fd)
-        return fd >= 0
-
-    def _cut_frame(self) -> bytes | None:
-        """After the worker died: what completes a ws frame it left cut (b"": none), or None when that cannot be
-        known (the connection must then be closed)."""
-        if self._frame_log is None or self._connection is None:
-            return b""
-        now = bytes_written(self._connection)
-        if now is None or self._written is None:
-            return None
-        return self._frame_log.rest(now - self._written)
-
-    def __iter__(self) -> Iterator[bytes | Raw]:
-        return self._frames()
-
-    def _frames(self) -> Iterator[bytes | Raw]:
-        sock, job = self._socket, self._job
-        assert sock is not None
-        poller = select.poll()
-        poller.register(sock, select.POLLIN)
-        try:
-            while True:
-                # Wait in short steps: the caller may go away, and a stuck worker must not outlast the deadline.
-                while not poller.poll(100):
-                    if self._cancel.is_set():
-                        raise Cancelled(f"shard '{job.shard}': caller went away")
-                    if time.monotonic() > job.deadline + _GRACE_SECONDS:  # the worker is stuck
-                        message = (f"shard '{job.shard}': object timeout exceeded after "
-                                   f"{self._report.samples_in} samples")
-                        # A ws frame it may be writing cannot be completed while it still could write: close.
-                        raise FrameCut(message) if self._frame_log is not None else TransformerError(message)
-                try:
-                    kind, size = HEADER.unpack(self._receive(HEADER.size))
-                    payload = self._receive(size)
-                except WorkerGone:
-                    cut = self._cut_frame()
-                    if cut:
-                        log.warning("shard %s: its worker died in the middle of a ws frame; %d bytes complete the "
-                                    "frame before the reply's error", job.shard, len(cut))
-                        yield Raw(cut)  # the frame the worker left cut, completed: the ws connection stays usable
-                    raise self._died(frame_cut=cut is None) from None
-                if kind == DATA:
-                    yield payload
-                    continue
-                if kind == RAW:
-                    yield Raw(payload)
-                    continue
-                state, self.bytes_in, self.send_path, self.direct_bytes, failure = pickle.loads(payload)
-                _apply_report(self._report, state)
-                if failure is None:
-                    return
-                raise self._input_error() or rebuilt(failure)
-        finally:
-            self.close()
-
-    def _receive(self, size: int) -> bytes:
-        """Exactly ``size`` bytes; the worker's end of the connection before that means it died."""
-        assert self._socket is not None
-        data = receive_exact(self._socket, size)
-        if data is None:
-            raise WorkerGone()
-        return data
-
-    def _input_error(self) -> BaseException | None:
-        """The input's own failure (the body cut, the fetch refused), which is why the worker saw a short tar."""
-        if self._input_failure is not None:
-            return self._input_failure()
-        return self._feeder.error if self._feeder is not None else None
-
-    def _died(self, frame_cut: bool = False) -> TransformerError:
-        worker, job = self._worker, self._job
-        worker.dead.wait(2.0)  # the supervisor reaps it and knows how it ended
-        how = worker.killed or (_exit_text(worker.exitcode) if worker.exitcode is not None
-                                else "closed its connection")
-        message = (f"shard '{job.shard}': the transform worker process (pid {worker.process.pid}) {how} after "
-                   f"{self._report.samples_out} samples; the shard was not completed")
-        return FrameCut(message) if frame_cut else InternalError(message)
-
-    def close(self) -> None:
-        """End the shard: a worker still transforming it sees its connection shut and stops."""
-        if self._socket is not None:
-            with contextlib.suppress(OSError):
-                self._socket.shutdown(socket.SHUT_RDWR)
-            self._socket.close()
-            self._socket = None
-        if self._frame_log is not None:
-            self._frame_log.close()
-            self._frame_log = None
-        if self._connection is not None:
-            self._connection.close()
-            self._connection = None
-
-
-@dataclass(frozen=True, slots=True)
-class Raw:
-    """Bytes for the caller's connection as they are: the rest of a frame the worker had begun."""
-
-    data: bytes
-
-
-class _Feeder:
-    """Copies a stream that is no file (a request body, an HTTP fetch, bytes) into a pipe for the worker."""
-
-    def __init__(self, stream: BinaryIO, shard: str):
-        self.stream, self.shard = stream, shard
-        self.read_end, self._write_end = os.pipe()
-        with contextlib.suppress(OSError):  # fewer, larger writes; the pipe's default is 64 KiB
-            import fcntl
-
-            fcntl.fcntl(self._write_end, fcntl.F_SETPIPE_SZ, FEED)
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"feed {shard}", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            while True:
-                chunk = self.stream.read(FEED)
-                if not chunk:
-                    return
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(self._write_end, view):]
-        except (BrokenPipeError, OSError) as exc:
-            if not isinstance(exc, BrokenPipeError) or self.error is not None:
-                self.error = self.error or exc
-            # BrokenPipeError: the worker stopped reading; its own report or error says why
-        except BaseException as exc:  # the source's failure: the reason the worker's input ends short
-            self.error = exc
-        finally:
-            os.close(self._write_end)
-
-
-def _file_descriptor(stream: BinaryIO) -> int | None:
-    """A duplicate of ``stream``'s descriptor when it is a regular file read from its start, else None."""
-    if not isinstance(stream, io.BufferedReader):
-        return None
-    try:
-        fd = stream.fileno()
-        if not stat.S_ISREG(os.fstat(fd).st_mode) or stream.tell() != os.lseek(fd, 0, os.SEEK_CUR):
-            return None
-    except (OSError, ValueError):
-        return None
-    return os.dup(fd)
-
-
-def _apply_report(report: ShardReport, state: dict) -> None:
-    for name, value in state.items():
-        setattr(report, name, value)
-
-
-def _exit_text(code: int | None) -> str:
-    if code is None:
-        return "ended"
-    if code < 0:
-        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
-        hint = " (SIGKILL: often the OOM killer at the container's memory limit)" if -code == signal.SIGKILL else ""
-        return f"was killed by {name}{hint}"
-    return f"exited with status {code}"

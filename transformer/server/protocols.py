@@ -116,6 +116,27 @@ class FragmentingWebSocketProtocol(WebSocketsSansIOProtocol):
         super().__init__(*args, **kwargs)
         self._threads_write = False
         self.lost = False  # the connection is gone: known from asyncio's connection_lost, not uvicorn's state
+        self._replying = False  # a request's reply is being made or sent
+        self._draining = False  # the server is stopping: close once that reply is out
+
+    def shutdown(self) -> None:
+        """The server is stopping (SIGTERM: Kubernetes deleting the pod): a reply in progress goes out whole first,
+        then the connection closes with 1012 as uvicorn closes an idle one at once. A drain is not a failure: the
+        close would otherwise land in the middle of the reply's message."""
+        if self._replying and not self.lost:
+            self._draining = True
+            self.stop_keepalive()
+            return
+        super().shutdown()
+
+    def replying(self, active: bool) -> bool:
+        """Mark a reply begun or ended (event loop only); False once it ended while the server is stopping: the
+        connection is closed, and the session takes no other request."""
+        self._replying = active
+        if not active and self._draining:
+            super().shutdown()
+            return False
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True

@@ -26,6 +26,7 @@ from ..errors import RequestError, TransformerError
 from ..options import forwarded_etl_args, parse_etl_args
 from ..pool import TransformPool
 from ..redact import install_logging, redact
+from .body import BodySource, watch_disconnect
 from .hops import HEADER_NODE_URL, parse_node_url
 from .httpreply import respond_http
 from .jobs import Runtime, ShardJob, ShardRequest
@@ -35,14 +36,12 @@ from .output import Output
 from .processes import ShardProcesses
 from .protocols import protocol_of, transport_of
 from .sources import (
-    BodySource,
     HttpSource,
     Source,
     fqn_source,
     origin_client,
     shard_too_large,
     target_client,
-    watch_disconnect,
 )
 from .websocket import websocket
 from .worker import WorkerConfig

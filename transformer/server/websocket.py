@@ -63,7 +63,14 @@ async def serve_websocket(ws: WebSocket, rt: Runtime) -> None:
             if control is None:
                 await ws.close(code=1003, reason="expected a JSON control message {path, fqn?, etl_args?, pipeline?}")
                 return
-            if not await _ws_serve_one(ws, rt, control, fragmenter):
+            if fragmenter is not None:
+                fragmenter.replying(True)
+            try:
+                served = await _ws_serve_one(ws, rt, control, fragmenter)
+            finally:
+                if fragmenter is not None and not fragmenter.replying(False):
+                    served = False  # the server is stopping: this reply was the connection's last
+            if not served:
                 return
     except (WebSocketDisconnect, ClientDisconnected):
         return

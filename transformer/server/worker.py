@@ -15,24 +15,28 @@ as the threads design does from the server's threads. Without that hand-over (TL
 a next stage, ``ETL_DIRECT_SEND=false``) every chunk goes to the server in frames. The shard ends with
 its report (``DONE``) or its error (``FAILED``), pickled.
 
-A heartbeat thread writes the board every ``_BEAT_SECONDS``, unless a sample has been running longer
-than the stall bound: the server kills a worker whose heartbeat stops (stopped, or hung in native
+A heartbeat thread writes the board every ``BEAT_SECONDS``, unless a sample has been running longer
+than the stall bound (``Board.beat``): the server kills a worker whose heartbeat stops (stopped, or hung in native
 code) and starts another.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import logging
+import multiprocessing.forkserver
 import os
 import pickle
 import signal
 import socket
 import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import NoReturn
 
 from ..config import Settings
 from ..engine import ShardReport, Write, transform_shard
@@ -42,7 +46,7 @@ from ..pool import TransformPool
 from ..redact import install_logging
 from ..samples import decode_paths
 from .arena import Arena
-from .board import Board
+from .board import BEAT_SECONDS, Board
 from .direct import FrameLog, FrameWriter, ws_continuation_frame
 from .ipc import portable, send_parts
 from .logs import LOG_FORMAT
@@ -58,8 +62,9 @@ _FRAME = 4 << 20  # relayed output gathered into frames of about this size: one 
 _FLUSH_SECONDS = 0.05
 FEED = 1 << 20  # input read and piped in pieces of this size when it is not a file
 READY = b"ready"  # a worker's first message, once its transform threads run
+STOP = "stop"  # the server's last message: finish and exit (its control socket closing without it: the server died)
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 OOM_SCORE_ADJ = 500  # added to the server's: the kernel's OOM killer takes a worker before the server
-_BEAT_SECONDS = 0.5
 _STATS_SECONDS = 2.0
 _REPORT_SKIP = frozenset({"bytes_out", "first_byte", "started"})  # kept by the server's own job
 
@@ -102,7 +107,9 @@ def report_state(report: ShardReport) -> dict:
 
 def worker_main(control: socket.socket, config: WorkerConfig) -> None:
     """A worker process: lead the shards the server sends, serve the other workers' samples, until the server
-    closes ``control``."""
+    says ``STOP``. Should the server die instead (its end of ``control`` closes without it), the process exits
+    at once: a shard whose server is gone is cut, never completed by an orphan."""
+    _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and SIGTERM are the server's to act on
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
@@ -111,7 +118,7 @@ def worker_main(control: socket.socket, config: WorkerConfig) -> None:
     message, fds, _, _ = socket.recv_fds(control, 1024, 1)
     if not message or not fds:
         return  # the server went away before it finished starting us
-    board = Board.attach(fds[0], config.processes)
+    board = Board.attach(fds[0], config.processes, config.stall)
     slot = board.slots[config.index]
     slot.threads, slot.pid = config.threads, os.getpid()
     pool = TransformPool(config.threads, config.max_inflight, on_load=lambda busy: setattr(slot, "busy", busy))
@@ -126,10 +133,12 @@ def worker_main(control: socket.socket, config: WorkerConfig) -> None:
             try:
                 message, fds, _, _ = socket.recv_fds(control, 1 << 20, 2)
             except OSError:
-                return
+                message = b""
             if not message:
-                return  # the server closed its end
+                _orphaned(config)
             kind, *rest = pickle.loads(message)
+            if kind == STOP:
+                return
             if kind == "job":
                 threading.Thread(target=worker.lead, args=(rest[0], fds), name=f"shard {rest[0].shard}",
                                  daemon=True).start()
@@ -142,6 +151,34 @@ def worker_main(control: socket.socket, config: WorkerConfig) -> None:
     finally:
         peers.close()
         pool.shutdown()
+
+
+def _die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when its parent, the fork server, ends: a stopped worker, which reads
+    no end of ``control``, still goes with its server.
+
+    The fork server exits once every copy of its liveness pipe's write end is closed. multiprocessing gives one
+    to each process it forks, for processes that start their own; a worker starts none, and its copy would keep
+    the fork server, and so every worker, alive after the server died: closed here.
+    """
+    fork_server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    alive = getattr(fork_server, "_forkserver_alive_fd", None)
+    if isinstance(alive, int):
+        with contextlib.suppress(OSError):
+            os.close(alive)
+        fork_server._forkserver_alive_fd = None  # type: ignore[union-attr]
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _orphaned(config: WorkerConfig) -> NoReturn:
+    """The server process is gone (``control`` ended without ``STOP``): exit now. The shards this worker leads
+    are cut where they stand (their connections close with the process), and nothing is run to completion."""
+    log.error("transform worker %d (pid %d): the server process is gone; exiting, the shards it leads cut",
+              config.index, os.getpid())
+    logging.shutdown()
+    os._exit(70)
 
 
 def _raise_oom_score() -> None:
@@ -176,14 +213,11 @@ class _Worker:
         while True:
             now = time.monotonic()
             oldest = self.pool.oldest()
-            if oldest and now - oldest > self.config.stall:
-                if not stalled_logged:
-                    log.error("transform worker %d (pid %d): a sample has run for %.0f s, over the %.0f s bound "
-                              "(ETL_WORKER_TIMEOUT); stopping the heartbeat so the server replaces this process",
-                              self.config.index, os.getpid(), now - oldest, self.config.stall)
-                    stalled_logged = True
-            else:
-                self.slot.beat = now
+            if not self.board.beat(self.config.index, now, oldest) and not stalled_logged:
+                log.error("transform worker %d (pid %d): a sample has run for %.0f s, over the %.0f s bound "
+                          "(ETL_WORKER_TIMEOUT); stopping the heartbeat so the server replaces this process",
+                          self.config.index, os.getpid(), now - oldest, self.board.stall)
+                stalled_logged = True
             if now >= next_stats:
                 next_stats = now + _STATS_SECONDS
                 stats = (decode_paths(), self.peers.served)
@@ -193,7 +227,7 @@ class _Worker:
                     except OSError:
                         return
                     sent = stats
-            time.sleep(_BEAT_SECONDS)
+            time.sleep(BEAT_SECONDS)
 
     def lead(self, job: WorkerJob, fds: list[int]) -> None:
         """Transform one shard, spreading its samples, and send its output (``Reply``)."""

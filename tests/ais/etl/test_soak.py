@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.soak_ais import Options, Soak
+from bench.soak_ais import Soak
+from bench.soak_plan import Options
 from testbed.etl_cluster import EtlCluster
 
 from .test_register import stage
