@@ -156,6 +156,11 @@ class EtlCluster:
     def url(self) -> str:
         return self.proxy.url
 
+    @property
+    def pod_mountpaths(self) -> list[Path]:
+        """Each target's mountpath as its ETL pods see it: the same path as on the host here."""
+        return self.mountpaths
+
     def client(self, **kwargs):
         from aistore.sdk import Client
 

@@ -37,6 +37,8 @@ import httpx
 
 from ..cluster import AisnodeUnavailable, cluster_config
 from .build import KubernetesUnavailable
+from .cluster import Cluster
+from .kube import MainProcess, RealKubernetes
 from .node import DISK
 from .topology import API_URL, CONTROL_PLANE, DOMAIN
 
@@ -182,8 +184,8 @@ def manifests(image: str) -> list[dict]:
 
 @dataclass
 class Daemon:
-    """One aisnode pod, as the tests know an AIS node: role, public URL (the node's address and the hostPort)
-    and intra-data URL (its DNS name)."""
+    """One aisnode pod, as the tests and benchmarks know an AIS node: role, public URL (the node's address and the
+    hostPort), intra-data URL (its DNS name), its process and output."""
 
     role: str
     pod: str
@@ -191,6 +193,21 @@ class Daemon:
     url: str
     data_url: str
     logs: Path  # the pod's log folder (its emptyDir), as the host sees the node's kubelet folder
+    kube: RealKubernetes = field(repr=False)
+
+    @property
+    def process(self) -> MainProcess:
+        """aisnode's process, as the host sees it."""
+        pod = self.kube.pod_named(self.pod)
+        return pod.container if pod is not None else MainProcess(0, -1)
+
+    @property
+    def output(self) -> Path:
+        """aisnode's stdout and stderr: its container's newest log on its node (CRI lines)."""
+        pod, node = self.kube.pod_named(self.pod), self.kube.cluster.nodes[self.node]
+        folder = node.inside_path("/var/log/pods") / f"{NAMESPACE}_{self.pod}_{pod.uid if pod else ''}" / "ais-node"
+        logs = sorted(folder.glob("*.log"), key=lambda log: int(log.stem)) if folder.is_dir() else []
+        return logs[-1] if logs else folder / "0.log"
 
     def log_tail(self, chars: int = 3000) -> str:
         log = self.logs / f"ais{self.role}.INFO"
@@ -201,8 +218,8 @@ class Daemon:
 class AisCluster:
     """AIS's pods on the two-node cluster, with what the real-ETL suite asks of its cluster."""
 
-    cluster: object  # cluster.Cluster
-    kube: object  # kube.RealKubernetes
+    cluster: Cluster
+    kube: RealKubernetes
     proxy: Daemon
     targets: list[Daemon]  # ordered by node: targets[i] runs on node-i
     mountpaths: list[Path]  # targets[i]'s mountpath, on the host
@@ -220,6 +237,11 @@ class AisCluster:
     def mountpath(self) -> str:
         """Every target's mountpath, as its pods and the ETL pods see it."""
         return MOUNTPATH
+
+    @property
+    def pod_mountpaths(self) -> list[Path]:
+        """Each target's mountpath as its ETL pods see it (``mountpaths`` are where the host sees them)."""
+        return [Path(MOUNTPATH)] * len(self.targets)
 
     def client(self, **kwargs):
         from aistore.sdk import Client
@@ -288,7 +310,7 @@ class AisCluster:
         self.stop()
 
 
-def _daemons(cluster, role: str) -> list[Daemon]:
+def _daemons(cluster, kube: RealKubernetes, role: str) -> list[Daemon]:
     pods = cluster.session().get(f"{API_URL}/api/v1/namespaces/{NAMESPACE}/pods",
                                  params={"labelSelector": f"app.kubernetes.io/component={role}"}, timeout=10).json()
     daemons = []
@@ -297,7 +319,8 @@ def _daemons(cluster, role: str) -> list[Daemon]:
         logs = (cluster.root / node / "kubelet" / "pods" / pod["metadata"]["uid"] / "volumes" /
                 "kubernetes.io~empty-dir" / "logs-dir")
         daemons.append(Daemon(role, name, node, f"http://{pod['status'].get('hostIP', '')}:{PORTS[role]}",
-                              f"http://{pod_dns(name, role)}:{DATA_PORT}", logs / name if role == "target" else logs))
+                              f"http://{pod_dns(name, role)}:{DATA_PORT}", logs / name if role == "target" else logs,
+                              kube))
     return sorted(daemons, key=lambda daemon: daemon.node)
 
 
@@ -333,8 +356,6 @@ def wait_joined(ais: AisCluster, timeout: float) -> None:
 
 def start_ais(cluster, image: str, timeout: float = 240.0) -> AisCluster:
     """AIS's objects applied; returns once its three pods run and the proxy reports both targets joined."""
-    from .kube import RealKubernetes
-
     cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
                                                           "items": manifests(image)}))
     kube = RealKubernetes(cluster, cluster.root / "kube", NAMESPACE)
@@ -346,7 +367,7 @@ def start_ais(cluster, image: str, timeout: float = 240.0) -> AisCluster:
         kube.stop()
         raise KubernetesUnavailable(f"{exc}: {[(p.name, p.obj.get('status', {})) for p in kube.ais_pods()]}\n"
                                     f"{cluster.log_tail()}") from None
-    (proxy,), targets = _daemons(cluster, "proxy"), _daemons(cluster, "target")
+    (proxy,), targets = _daemons(cluster, kube, "proxy"), _daemons(cluster, kube, "target")
     mountpaths = [cluster.root / "disks" / target.node / "mp1" for target in targets]
     ais = AisCluster(cluster, kube, proxy, targets, mountpaths)
     wait_joined(ais, max(10.0, timeout - (time.monotonic() - started)))

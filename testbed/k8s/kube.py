@@ -41,6 +41,18 @@ def cri_messages(data: bytes) -> bytes:
     return b"".join(out)
 
 
+@dataclass(frozen=True)
+class MainProcess:
+    """A container's main process as the host sees it, asked what a local process is asked: its pid, and
+    ``poll`` (None while it runs, else its exit code as the kubelet reports it)."""
+
+    pid: int
+    exit_code: int | None = None
+
+    def poll(self) -> int | None:
+        return self.exit_code
+
+
 @dataclass
 class RealPod:
     """One pod as last listed, and where its log is copied."""
@@ -101,6 +113,16 @@ class RealPod:
     def pid(self) -> int:
         """The host pid of the container's main process (0 if none runs)."""
         return self.kube.main_pid(self)
+
+    @property
+    def container(self) -> MainProcess:
+        """Its container's main process; exited (with the kubelet's exit code, or -1) when none runs."""
+        pid = self.pid
+        if pid:
+            return MainProcess(pid)
+        status = (self.obj.get("status", {}).get("containerStatuses") or [{}])[0]
+        ended = status.get("state", {}).get("terminated") or status.get("lastState", {}).get("terminated") or {}
+        return MainProcess(0, ended.get("exitCode", -1))
 
 
 @dataclass
@@ -220,6 +242,11 @@ class RealKubernetes:
     def ais_pods(self) -> list[RealPod]:
         with self._lock:
             return [pod for pod in self.pods.values() if pod.kind == "ais" and not pod.gone]
+
+    def pod_named(self, name: str) -> RealPod | None:
+        """The listed pod called ``name`` (a StatefulSet's pod keeps its name across restarts)."""
+        with self._lock:
+            return next((pod for pod in self.pods.values() if pod.name == name and not pod.gone), None)
 
     def pods_of(self, etl: str) -> list[RealPod]:
         """The listed ETL pods of ``etl`` (AIS names them ``<etl>-<target id>``)."""
