@@ -35,6 +35,7 @@ from pathlib import Path
 
 import httpx
 
+from ..ais_view import AisView
 from ..cluster import AisnodeUnavailable, cluster_config
 from .build import KubernetesUnavailable
 from .cluster import Cluster
@@ -215,7 +216,7 @@ class Daemon:
 
 
 @dataclass
-class AisCluster:
+class AisCluster(AisView):
     """AIS's pods on the two-node cluster, with what the real-ETL suite asks of its cluster."""
 
     cluster: Cluster
@@ -224,10 +225,6 @@ class AisCluster:
     targets: list[Daemon]  # ordered by node: targets[i] runs on node-i
     mountpaths: list[Path]  # targets[i]'s mountpath, on the host
     _stopped: bool = field(default=False, repr=False)
-
-    @property
-    def url(self) -> str:
-        return self.proxy.url
 
     @property
     def node(self):
@@ -242,27 +239,6 @@ class AisCluster:
     def pod_mountpaths(self) -> list[Path]:
         """Each target's mountpath as its ETL pods see it (``mountpaths`` are where the host sees them)."""
         return [Path(MOUNTPATH)] * len(self.targets)
-
-    def client(self, **kwargs):
-        from aistore.sdk import Client
-
-        kwargs.setdefault("timeout", (5, 300))
-        return Client(self.url, **kwargs)
-
-    def nodes(self) -> list[Daemon]:
-        return [*self.targets, self.proxy]
-
-    def logs(self) -> str:
-        return "\n".join(daemon.log_tail() for daemon in self.nodes())
-
-    def target_of(self, pod) -> int:
-        """Which target an ETL pod serves: the one its ``AIS_TARGET_URL`` (intra-data URL) names."""
-        env = {e["name"]: e.get("value", "") for e in pod.obj["spec"]["containers"][0].get("env", [])}
-        url = env["AIS_TARGET_URL"]
-        return next(i for i, target in enumerate(self.targets) if url.startswith(target.data_url + "/"))
-
-    def pod_on_target(self, etl: str, index: int):
-        return next(pod for pod in self.kube.running_pods(etl) if self.target_of(pod) == index)
 
     def target_logs(self) -> str:
         return "\n".join(target.log_tail(10**9) for target in self.targets)
