@@ -19,7 +19,6 @@ clusters from using them at once.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import os
 import shutil
@@ -50,13 +49,9 @@ from .topology import (
     REGISTRY,
     NodeSpec,
 )
+from .topology import node as node_spec
 
-CLONE_NEWNET = 0x40000000
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _libc():
-    return ctypes.CDLL("libc.so.6", use_errno=True)
 
 
 @dataclass
@@ -83,11 +78,6 @@ class Node:
         """A path as the node's mount namespace sees it (its tmpfs ``/run``, ``/var/log/pods``)."""
         return Path(f"/proc/{self.inside}/root") / str(path).lstrip("/")
 
-    def enter_netns(self) -> None:  # between fork and exec: the child joins the node's network namespace
-        fd = os.open(f"/proc/{self.inside}/ns/net", os.O_RDONLY)
-        _libc().setns(fd, CLONE_NEWNET)
-        os.close(fd)
-
     def log_tail(self, chars: int = 4000) -> str:
         text = ""
         for log in sorted((self.root / "logs").glob("*.log")):
@@ -104,6 +94,7 @@ class Cluster:
     lan: NetworkNamespace
     lock: object
     nodes: dict[str, Node] = field(default_factory=dict)
+    namespaces: set[str] = field(default_factory=set)  # every net and pid namespace it made ("net:[4026...]")
     stopped: bool = False
     left: list[str] = field(default_factory=list)
 
@@ -216,6 +207,7 @@ class Cluster:
         self.nodes[spec.name] = node
         if not inside:
             raise KubernetesUnavailable(f"{spec.name} did not start:\n{node.log_tail()}")
+        self.namespaces |= {os.readlink(f"/proc/{inside}/ns/{kind}") for kind in ("net", "pid")}
         # one end of a veth pair in the machine room, on its bridge; the other the node's eth0
         port = f"lan-{spec.name}"
         sh("ip", "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", str(inside))
@@ -237,7 +229,7 @@ class Cluster:
 
     def restart_node(self, name: str, timeout: float = 120) -> Node:
         """A node back after ``kill_node``: the same name, address, disk and kubelet folder; Ready again."""
-        node = self.start_node(next(spec for spec in NODES if spec.name == name))
+        node = self.start_node(node_spec(name))
         self.wait(f"{name} Ready", lambda: self.node_ready(name), timeout)
         return node
 
@@ -253,6 +245,23 @@ class Cluster:
             self.lan.leave()
         self.lock.close()
         return self.left
+
+    def leftovers(self) -> list[str]:
+        """After ``stop``: what is still on the host of this cluster. A process (or a thread) in one of its network
+        or pid namespaces, which also keeps that namespace alive (a container's processes are in its node's pid
+        namespace); a mount of its folder; a cgroup root of its nodes."""
+        left = []
+        for task in Path("/proc").glob("[0-9]*/task/[0-9]*"):
+            with contextlib.suppress(OSError):
+                held = {os.readlink(task / "ns" / kind) for kind in ("net", "pid")} & self.namespaces
+                if held:
+                    left.append(f"process {task.parent.parent.name} ({(task / 'comm').read_text().strip()}) in "
+                                f"{', '.join(sorted(held))}")
+        mounts = Path("/proc/self/mountinfo").read_text().splitlines()
+        left += [f"mount {line.split()[4]}" for line in mounts if str(self.root) in line]
+        roots = {node.config.cgroup.strip("/") for node in self.nodes.values()}
+        left += [f"cgroup {folder}" for folder in cgroups.leftovers() if Path(folder).name in roots]
+        return left
 
 
 def _wait_gone(pid: int, timeout: float) -> None:
@@ -319,6 +328,7 @@ def start_cluster(root: Path, tools: Tools | None = None, timeout: float = 180.0
         lock.close()
         raise
     cluster = Cluster(root, tools, lan, lock)
+    cluster.namespaces.add(os.readlink("/proc/thread-self/ns/net"))
     try:
         for spec in NODES:
             cluster.start_node(spec)

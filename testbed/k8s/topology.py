@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-LAN_CIDR = "198.51.100.0/24"
 LAN_GATEWAY = "198.51.100.1"
 LAN_BRIDGE = "ais-lan"
 CLUSTER_CIDR = "203.0.113.0/24"
@@ -31,13 +30,6 @@ class NodeSpec:
     ip: str
     pod_cidr: str
     control_plane: bool = False
-
-    @property
-    def pod_gateway(self) -> str:
-        """The node's address on its pod bridge (the first of its pod CIDR)."""
-        base, _ = self.pod_cidr.split("/")
-        head, last = base.rsplit(".", 1)
-        return f"{head}.{int(last) + 1}"
 
 
 NODES = (

@@ -7,7 +7,7 @@ cluster's registry, has each node pull the project's image once, and starts AIS 
 thread is left in the cluster's machine room, from where every address of the cluster answers.
 
 ``main`` keeps it up until SIGINT or SIGTERM and then stops it, leaving nothing behind: no process, mount,
-network namespace, cgroup or container (``leftovers`` says what would be).
+network namespace, cgroup or container (``Cluster.leftovers`` says what would be).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from scripts.image import IMAGE as BUILT
 
 from ..cluster import install_aisnode
-from . import cgroups
 from .ais import AisCluster, start_ais
 from .build import install_kubernetes
 from .cluster import start_cluster
@@ -42,32 +42,18 @@ def start_ais_cluster(root: Path, log=print) -> AisCluster:
     cluster = start_cluster(root, tools, log=log)
     try:
         (aisnode,) = push(image, image.split("/", 1)[1])
-        log(f"pushing {BUILT} into the cluster's registry (once: later runs find its layers there)")
-        reference = push(BUILT, *IMAGE_NAMES)[0]
+        started = time.monotonic()
+        reference = push(BUILT, *IMAGE_NAMES)[0]  # the first time minutes; then only the layers that changed
+        log(f"{BUILT} in the cluster's registry in {time.monotonic() - started:.0f} s")
         log(f"{reference} pulled and run on every node in {cluster.warm(reference):.0f} s")
+        started = time.monotonic()
         ais = start_ais(cluster, aisnode)
     except BaseException:
         cluster.stop()
         raise
-    log(f"AIS up: {ais.proxy.pod} on {ais.proxy.node}, " +
+    log(f"AIS up in {time.monotonic() - started:.0f} s: {ais.proxy.pod} on {ais.proxy.node}, " +
         ", ".join(f"{target.pod} on {target.node}" for target in ais.targets))
     return ais
-
-
-def leftovers(pid: int, root: Path) -> list[str]:
-    """What a stopped cluster of process ``pid`` would have left: processes in other network namespaces started
-    by it, mounts of its folders, cgroup roots, its folders."""
-    left = []
-    own = os.readlink(f"/proc/{pid}/ns/net") if Path(f"/proc/{pid}").exists() else ""
-    for proc in Path("/proc").glob("[0-9]*"):
-        with contextlib.suppress(OSError):
-            if str(root) in (proc / "cmdline").read_bytes().decode(errors="replace").replace("\0", " ") \
-                    and os.readlink(proc / "ns/net") != own:
-                left.append(f"process {proc.name}")
-    mounts = Path("/proc/self/mountinfo").read_text()
-    left += [f"mount {line.split()[4]}" for line in mounts.splitlines() if str(root) in line or "ais-wds-k8s" in line]
-    left += [f"cgroup {folder}" for folder in cgroups.leftovers() if folder.endswith(f"-{pid}")]
-    return left
 
 
 def main() -> int:
@@ -95,11 +81,14 @@ def main() -> int:
     finally:
         with contextlib.suppress(KeyboardInterrupt):
             forced = ais.stop()
-    left = leftovers(os.getpid(), root)
+    left = ais.cluster.leftovers()
     shutil.rmtree(root, ignore_errors=True)
-    for line in forced + left:
-        say(f"left: {line}")
-    say("stopped" + ("" if forced or left else ": nothing left behind"))
+    for line in forced:  # ETL pods still registered when it stopped: ended with their nodes
+        say(f"ended with the cluster: {line}")
+    for line in left:
+        say(f"left on the host: {line}")
+    say("stopped: " + ("see above" if left else "nothing left behind (process, mount, network namespace, cgroup, "
+                                                 "container)"))
     return 1 if left else 0
 
 

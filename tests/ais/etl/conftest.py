@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import re
 import tarfile
 from collections.abc import Callable, Iterator
@@ -105,7 +104,7 @@ def _on_real_kubernetes(aisnode: Path, tmp_path_factory: pytest.TempPathFactory)
     target's ETL pods scheduled on its node by AIS's node affinity and run by that node's kubelet from the image
     ``make image`` built, pulled from the cluster's registry. At the end nothing may be left on the host."""
     from testbed.k8s.build import KubernetesUnavailable
-    from testbed.k8s.up import leftovers, start_ais_cluster
+    from testbed.k8s.up import start_ais_cluster
 
     root = tmp_path_factory.mktemp("k8s")
     try:
@@ -120,7 +119,7 @@ def _on_real_kubernetes(aisnode: Path, tmp_path_factory: pytest.TempPathFactory)
     seen = [(pod.name, pod.user) for pod in cluster.kube.started if pod.user is not None]  # None: ended unseen
     other = [(name, user) for name, user in seen if user != (10001, 0)]
     assert seen and not other, f"ETL pods not run as the image's user 10001:0: {other}"
-    left = leftovers(os.getpid(), root)
+    left = cluster.cluster.leftovers()
     assert not left, f"left on the host: {left}"
 
 

@@ -73,7 +73,6 @@ def test_each_nodes_pods_get_addresses_from_its_own_half_of_the_pod_range(tmp_pa
         assert [plugin["type"] for plugin in plugins] == ["bridge", "portmap"]  # portmap: AIS's hostPorts
         ranges.append(plugins[0]["ipam"]["ranges"][0][0]["subnet"])
     assert ranges == ["203.0.113.0/25", "203.0.113.128/25"]
-    assert [spec.pod_gateway for spec in NODES] == ["203.0.113.1", "203.0.113.129"]
 
 
 def test_each_containerd_keeps_images_in_a_cached_root_of_its_own_and_state_in_the_private_run(tmp_path: Path):
