@@ -35,8 +35,8 @@ from ..cluster import _die_with_parent
 from ..etl_cluster import NetworkNamespace, enter_network_namespace
 from . import cgroups, pki
 from .build import KubernetesUnavailable, Tools, cache_dir, install_kubernetes
-from .gobuilds import go_program
-from .images import put_binary_image
+from .gobuilds import COREDNS_VERSION, go_program
+from .images import digest, put_binary_image
 from .node import NodeConfig, sh
 from .topology import (
     API_SERVICE_IP,
@@ -335,7 +335,7 @@ def start_cluster(root: Path, tools: Tools | None = None, timeout: float = 180.0
         control = cluster.nodes[CONTROL_PLANE.name]
         cluster.wait("the control plane", lambda: (control.root / "started").exists(), timeout)
         put_binary_image(PAUSE_IMAGE, pause)
-        coredns_image = f"{REGISTRY}/ais-wds-coredns:{coredns.stat().st_mtime_ns}"
+        coredns_image = f"{REGISTRY}/ais-wds-coredns:{COREDNS_VERSION}-{digest(coredns)}"  # a rebuild: a new tag
         put_binary_image(coredns_image, coredns)
         for spec in NODES:
             cluster.wait(f"{spec.name} Ready", lambda name=spec.name: cluster.node_ready(name), timeout)

@@ -38,6 +38,14 @@ ENTRYPOINT ["aisnode"]
 """
 
 
+def digest(*files: Path) -> str:
+    """The first 16 hex digits of the files' SHA-256: an image tag that changes whenever a binary does."""
+    hashed = hashlib.sha256()
+    for file in files:
+        hashed.update(file.read_bytes())
+    return hashed.hexdigest()[:16]
+
+
 def _session() -> requests.Session:
     session = requests.Session()
     session.trust_env = False  # the registry is in the cluster's network: no proxy variable may route it away
@@ -88,10 +96,7 @@ def _podman(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 def aisnode_image(aisnode: Path, aisinit: Path, log=print) -> str:
     """The local aisnode image (``localhost/ais-wds-aisnode:<digest>``), built first if it is not there."""
-    digest = hashlib.sha256()
-    for binary in (aisnode, aisinit):
-        digest.update(binary.read_bytes())
-    local = f"localhost/{AISNODE_REPOSITORY}:{digest.hexdigest()[:16]}"
+    local = f"localhost/{AISNODE_REPOSITORY}:{digest(aisnode, aisinit)}"
     if _podman("image", "exists", local).returncode == 0:
         return local
     base = base_image("buildah")

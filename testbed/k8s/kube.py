@@ -125,18 +125,11 @@ class RealPod:
         return MainProcess(0, ended.get("exitCode", -1))
 
 
-@dataclass
-class _Runtime:
-    """What the fake's pod runtime answers: the containers left in containerd."""
+@dataclass(frozen=True)
+class KubeletRuntime:
+    """How the ETL pods run, as the fake Kubernetes' pod runtimes say it: containers of the image."""
 
-    kube: RealKubernetes
     kind: str = "container"
-
-    def leftovers(self) -> list[str]:
-        return self.kube.leftover_containers()
-
-    def remove_all(self) -> None:
-        return None  # each node's pid namespace ends them all
 
 
 @dataclass
@@ -148,8 +141,6 @@ class RealKubernetes:
     pods: dict[str, RealPod] = field(default_factory=dict)  # uid -> pod, deleted ones too
     started: list[RealPod] = field(default_factory=list)  # every ETL pod whose container started
     services: dict[str, dict] = field(default_factory=dict)
-    unexpected: list[str] = field(default_factory=list)  # the real API serves every call: always empty
-    runtimes: dict = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _copying: threading.Lock = field(default_factory=threading.Lock)  # one log copy at a time
     _offsets: dict[str, int] = field(default_factory=dict)
@@ -157,7 +148,7 @@ class RealKubernetes:
     _thread: threading.Thread | None = None
 
     def __post_init__(self) -> None:
-        self.runtime = _Runtime(self)
+        self.runtime = KubeletRuntime()
         self.session = self.cluster.session()
         self.api = f"{self.cluster.api_url}/api/v1/namespaces/{self.namespace}"
 
