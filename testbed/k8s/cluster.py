@@ -249,10 +249,15 @@ class Cluster:
     def leftovers(self) -> list[str]:
         """After ``stop``: what is still on the host of this cluster. A process (or a thread) in one of its network
         or pid namespaces, which also keeps that namespace alive (a container's processes are in its node's pid
-        namespace); a mount of its folder; a cgroup root of its nodes."""
-        left = []
+        namespace); a mount of its folder; a cgroup root of its nodes. This process and its children are left out:
+        a thread or child started while its thread was in the machine room stays there (a library's thread pool,
+        Python's multiprocessing resource tracker) and ends with this process."""
+        left, own = [], str(os.getpid())
         for task in Path("/proc").glob("[0-9]*/task/[0-9]*"):
             with contextlib.suppress(OSError):
+                process = task.parent.parent
+                if own in (process.name, (process / "stat").read_text().rsplit(")", 1)[1].split()[1]):
+                    continue
                 held = {os.readlink(task / "ns" / kind) for kind in ("net", "pid")} & self.namespaces
                 if held:
                     left.append(f"process {task.parent.parent.name} ({(task / 'comm').read_text().strip()}) in "

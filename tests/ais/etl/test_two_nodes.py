@@ -10,6 +10,7 @@ on the wrong node would read the wrong file or none. Selected only by a ``-m`` t
 from __future__ import annotations
 
 import re
+import subprocess
 from urllib.parse import quote, urlsplit
 
 import httpx
@@ -49,6 +50,20 @@ def test_ais_runs_as_pods_one_target_per_node_calling_each_other_by_dns_name(etl
         env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
                for e in pod.obj["spec"]["containers"][0]["env"]}
         assert env == {"MY_NODE": "spec.nodeName", "MY_POD": "metadata.name", "K8S_NS": "metadata.namespace"}
+
+
+def test_each_kubelet_may_change_its_own_node_only(etl_cluster) -> None:
+    """Each node's kubelet has a certificate of its own, and the NodeRestriction admission plugin holds it to
+    its own node: node-1's kubelet may label node-1, not node-0."""
+    kubectl = etl_cluster.cluster.tools.kubectl
+    as_node_1 = [str(kubectl), f"--kubeconfig={etl_cluster.cluster.pki / 'kubelet-node-1.kubeconfig'}"]
+    own = subprocess.run([*as_node_1, "label", "node", "node-1", "ais-wds-test=own", "--overwrite"],
+                         capture_output=True, text=True, timeout=60)
+    other = subprocess.run([*as_node_1, "label", "node", "node-0", "ais-wds-test=other", "--overwrite"],
+                           capture_output=True, text=True, timeout=60)
+    assert own.returncode == 0, own.stderr
+    assert other.returncode != 0 and "Forbidden" in other.stderr, other.stderr
+    etl_cluster.cluster.kubectl("label", "node", "node-1", "ais-wds-test-")
 
 
 @pytest.mark.parametrize("comm", ["hpush", "hpull", "ws"])
