@@ -4,7 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TEST_WORKERS ?= 2  # make test: pytest-xdist workers; --dist loadfile keeps each test file on one worker
 
-.PHONY: install lock demo test bench aisnode k8s-tools ais-etl image test-image test-k8s image-tools k8s-host-tools gpu-wheels scaling-wheels \
+.PHONY: install lock demo test bench aisnode k8s-tools ais-etl cluster image test-image test-k8s image-tools k8s-host-tools \
+	gpu-wheels scaling-wheels \
 	lint clean
 
 install: $(VENV)/.installed
@@ -39,8 +40,9 @@ bench: install
 aisnode: install
 	$(PY) -m testbed.cluster --build-only
 
-# A real single-node Kubernetes' binaries (Kubernetes built with Go from the module proxy, containerd, etcd and the
-# registry from Debian packages), made once into ~/.cache/ais-wds-transformer (testbed/k8s/build.py).
+# The real Kubernetes' binaries (Kubernetes, CoreDNS and AIS's aisinit built with Go from the module proxy;
+# containerd, etcd and the registry from Debian packages), made once into ~/.cache/ais-wds-transformer
+# (testbed/k8s/build.py, testbed/k8s/gobuilds.py).
 k8s-tools: install
 	$(PY) -m testbed.k8s.build
 
@@ -62,10 +64,16 @@ k8s-host-tools:
 test-image: install image-tools image
 	AIS_WDS_POD_RUNTIME=container $(PY) -m pytest -q -m 'image or ais_etl' tests/image tests/ais/etl
 
-# The real-ETL suite on a real single-node Kubernetes (testbed/k8s): its binaries built or fetched once into
-# ~/.cache/ais-wds-transformer, the image pushed to the node's registry, every ETL pod scheduled and run by it.
+# The real-ETL suite on the cluster users run (testbed/k8s, docs/kubernetes.md): two real Kubernetes nodes, AIS's
+# proxy and targets as pods, the image pushed to the cluster's registry and pulled by both nodes, every ETL pod
+# scheduled on its target's node and run by that node's kubelet.
 test-k8s: install k8s-host-tools image k8s-tools
 	AIS_WDS_KUBE=real $(PY) -m pytest -q -m 'ais_etl or k8s' tests/ais/etl
+
+# That cluster, until Ctrl-C or SIGTERM: it prints the proxy's URL, the kubeconfig, kubectl and the image's name
+# in the cluster's registry (docs/kubernetes.md says how to reach it with ais, the SDK and kubectl).
+cluster: install k8s-host-tools image k8s-tools
+	$(PY) -m testbed.k8s.up
 
 # A real AIS with ETL (one proxy, two targets, a fake Kubernetes) in a network namespace, until Ctrl-C.
 ais-etl: install

@@ -102,7 +102,7 @@ def measure(cluster, client, *, shards: int = 8, samples: int = 64, rounds: int 
         def read(name: str) -> int:
             owner = owners[name]
             pod = pods[etl][owner]
-            fqn = quote(quote(_fqn(cluster.mountpaths[owner], "bench-src", name), safe=""), safe="")
+            fqn = quote(quote(_fqn(cluster.pod_mountpaths[owner], "bench-src", name), safe=""), safe="")
             url = f"http://{pod.host}:{pod.port}/bench-src/{name}?etl_fqn={fqn}&etl_args={quote(args, safe='')}"
             with requests.put(url, data=b"", stream=True, timeout=300) as response:
                 return drain(response)

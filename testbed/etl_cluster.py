@@ -32,11 +32,11 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import transformer
 from transformer.client import EtlSettings
 
+from .ais_view import AisView
 from .cluster import (
     Node,
     _die_with_parent,
@@ -53,10 +53,7 @@ from .pods import ContainerRuntime, PodRuntime, ProcessRuntime
 from .ports import free_ports
 from .tlscerts import make_tls_files
 
-if TYPE_CHECKING:
-    from .k8s.node import KubeNode
-
-REAL_KUBERNETES = os.environ.get("AIS_WDS_KUBE") == "real"  # make test-k8s: AIS on a real Kubernetes node
+REAL_KUBERNETES = os.environ.get("AIS_WDS_KUBE") == "real"  # make test-k8s: AIS on the real cluster (testbed/k8s)
 IMAGE = "ais-wds-transformer:test"  # process pods: wds-transform serve; container pods: the built image (pods.py)
 NODES = {"node-0": "198.51.100.10", "node-1": "198.51.100.11", "node-2": "198.51.100.12"}
 SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
@@ -70,7 +67,7 @@ _WITH_SERVICE_ACCOUNT = (
 
 
 @dataclass
-class EtlCluster:
+class EtlCluster(AisView):
     """One proxy and two targets in Kubernetes mode, the fake Kubernetes that runs their ETL pods."""
 
     root: Path
@@ -80,34 +77,12 @@ class EtlCluster:
     mountpaths: list[Path]
     kube_port: int
     disks: Path | None = None  # where the mountpaths live, when apart from root (removed by stop)
-    node: KubeNode | None = None  # the real Kubernetes under it, if any (ended by stop)
     _stopped: bool = field(default=False, repr=False)
 
     @property
-    def url(self) -> str:
-        return self.proxy.url
-
-    def client(self, **kwargs):
-        from aistore.sdk import Client
-
-        kwargs.setdefault("timeout", (5, 300))
-        return Client(self.url, **kwargs)
-
-    def nodes(self) -> list[Node]:
-        return [*self.targets, self.proxy]
-
-    def logs(self) -> str:
-        return "\n".join(node.log_tail() for node in self.nodes())
-
-    def target_of(self, pod) -> int:
-        """Which target (0 or 1) an ETL pod serves: the one its ``AIS_TARGET_URL`` (intra-data URL) names."""
-        env = {e["name"]: e.get("value", "") for e in pod.obj["spec"]["containers"][0].get("env", [])}
-        url = env["AIS_TARGET_URL"]
-        return next(i for i, target in enumerate(self.targets) if url.startswith(target.data_url + "/"))
-
-    def pod_on_target(self, etl: str, index: int):
-        """The running pod of ``etl`` that serves target ``index``."""
-        return next(pod for pod in self.kube.running_pods(etl) if self.target_of(pod) == index)
+    def pod_mountpaths(self) -> list[Path]:
+        """Each target's mountpath as its ETL pods see it: the same path as on the host here."""
+        return self.mountpaths
 
     def target_logs(self) -> str:
         """The targets' whole INFO logs (AIS's own account of each ETL)."""
@@ -128,22 +103,11 @@ class EtlCluster:
         forced += [f"pod {pod.name} ({pod.runtime}, {'running' if pod.running else 'exited'}) was never deleted by AIS"
                    for pod in self.kube.etl_pods()]
         self.kube.stop()
-        if self.node is not None:
-            forced += self._stop_node()
         for runtime in {id(r): r for r in (self.kube.runtime, *self.kube.runtimes.values())}.values():
             forced += [f"container {name} outlived its pod" for name in runtime.leftovers()]
             runtime.remove_all()
         if self.disks is not None:
             shutil.rmtree(self.disks, ignore_errors=True)
-        return forced
-
-    def _stop_node(self) -> list[str]:
-        """Delete the AIS nodes' own pods; then no container may run on the node, which is ended."""
-        self.kube.delete_static_pods()
-        with contextlib.suppress(TimeoutError):
-            self.kube.wait(lambda: not self.kube.leftover_containers(), 30, "every container gone")
-        forced = [f"container {name} still ran on the node" for name in self.kube.leftover_containers()]
-        forced += [f"cgroup not removed: {left}" for left in self.node.stop()]
         return forced
 
     def __enter__(self) -> EtlCluster:
@@ -162,9 +126,9 @@ def _service_account(folder: Path, ca: Path) -> Path:
 
 
 def _start_node(binary: Path, role: str, node: str, folder: Path, config: Path, env: dict[str, str],
-                mountpath_root: Path | None = None, public_port: int | None = None, host: str = "") -> Node:
-    """One aisnode on ``node``'s address (or ``host``), inside its own mount namespace with the service account."""
-    host = host or NODES[node]
+                mountpath_root: Path | None = None, public_port: int | None = None) -> Node:
+    """One aisnode on ``node``'s address, inside its own mount namespace with the service account."""
+    host = NODES[node]
     picked = [port for port in free_ports(4, host) if port != public_port]  # none taken twice
     ports = (public_port or picked[2], picked[0], picked[1])
     folder.mkdir(parents=True)
@@ -288,79 +252,6 @@ def start_etl_cluster(binary: Path, root: Path, timeout: float = 120.0, runtime:
             nodes.append(_start_node(binary, "target", f"node-{index}", root / f"target{index}", config,
                                      env(f"node-{index}", f"ais-target-{index}"), mountpath_root=disk))
         cluster = EtlCluster(root, kube, nodes[0], nodes[1:], mountpaths, kube_port, disks)
-    except BaseException:
-        _abandon(nodes, kube, disks)
-        raise
-    return _ready(cluster, timeout)
-
-
-# RBAC for what AIS does with Kubernetes: its own pod, the ETL pods and Services it creates, watches, reads
-# the logs of and deletes, and their metrics.
-_AIS_RBAC = """\
-apiVersion: v1
-kind: ServiceAccount
-metadata: {name: ais}
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: Role
-metadata: {name: ais-etl}
-rules:
-- apiGroups: [""]
-  resources: [pods, services, pods/log]
-  verbs: [get, list, watch, create, delete, update, patch]
-- apiGroups: [metrics.k8s.io]
-  resources: [pods]
-  verbs: [get, list]
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: RoleBinding
-metadata: {name: ais-etl}
-subjects: [{kind: ServiceAccount, name: ais, namespace: default}]
-roleRef: {apiGroup: rbac.authorization.k8s.io, kind: Role, name: ais-etl}
-"""
-
-
-def start_etl_cluster_on(node: KubeNode, binary: Path, root: Path, timeout: float = 120.0) -> EtlCluster:
-    """AIS on a real Kubernetes node (``testbed/k8s/node.py``): the proxy and two targets are processes on the
-    node's address, each with a pod object of its own (a sleeper carrying the target's mountpath as a volume) and
-    the token of a ServiceAccount bound to a Role for what AIS does. The caller's thread is in the node's network."""
-    from .k8s.kube import RealKubernetes
-    from .k8s.node import API_PORT, NODE, NODE_IP
-
-    root.mkdir(parents=True, exist_ok=True)
-    node.kubectl("apply", "-f", "-", input=_AIS_RBAC)
-    token = node.kubectl("create", "token", "ais", "--duration=48h").strip()
-    account = root / "serviceaccount"
-    account.mkdir()
-    (account / "token").write_text(token)
-    shutil.copy(node.root / "pki" / "ca.crt", account / "ca.crt")
-    (account / "namespace").write_text("default")
-    kube = RealKubernetes(node, root / "kube")
-    kube.start()
-    disks = _make_disks()  # the kubelet runs the image's user, as container pods do
-    nodes: list[Node] = []
-    try:
-        (proxy_port,) = free_ports(1, NODE_IP)
-        config = root / "cluster.json"
-        config.write_text(json.dumps(cluster_config(f"http://{NODE_IP}:{proxy_port}"), indent=1))
-        base = _node_env()
-
-        def env(pod: str) -> dict[str, str]:
-            return {**base, "KUBERNETES_SERVICE_HOST": NODE_IP, "KUBERNETES_SERVICE_PORT": str(API_PORT),
-                    "MY_NODE": NODE, "MY_POD": pod, "K8S_NS": "default", "AIS_WDS_SA": str(account)}
-
-        kube.add_static_pod("ais-proxy-0", NODE, [])
-        nodes.append(_start_node(binary, "proxy", "node-0", root / "proxy", config, env("ais-proxy-0"),
-                                 public_port=proxy_port, host=NODE_IP))
-        mountpaths = []
-        for index in (1, 2):
-            disk = disks / f"disk{index}"
-            disk.mkdir()
-            mountpaths.append(disk / "mp1")
-            kube.add_static_pod(f"ais-target-{index}", NODE, [("ais-data", str(disk))])
-            nodes.append(_start_node(binary, "target", f"node-{index}", root / f"target{index}", config,
-                                     env(f"ais-target-{index}"), mountpath_root=disk, host=NODE_IP))
-        cluster = EtlCluster(root, kube, nodes[0], nodes[1:], mountpaths, API_PORT, disks, node)
     except BaseException:
         _abandon(nodes, kube, disks)
         raise

@@ -1,4 +1,4 @@
-"""Everything a real single-node Kubernetes needs, built or fetched once into a cache.
+"""Everything the test bed's Kubernetes needs, built or fetched once into a cache.
 
 ``install_kubernetes`` returns the absolute paths (``Tools``) of:
 
@@ -20,9 +20,8 @@ is honoured). Each part carries a stamp file saying how it was made; a part whos
 would be made now is made again, under a lock, so concurrent runs make it once. ``$AIS_WDS_GO`` names the go
 command (default: ``go`` on PATH, else ``/usr/local/go/bin/go``).
 
-``pause_binary`` builds the process of a pod sandbox: a static binary that sleeps until SIGTERM or SIGINT
-and exits 0. It runs as pid 1 of its container, where no signal has a default action, so it handles them
-itself.
+The smaller Go programs the cluster runs (the pod sandbox, CoreDNS, AIS's ``aisinit``) are ``gobuilds.py``'s;
+they share this module's cache, lock and stamps.
 
 ``python -m testbed.k8s.build`` makes everything and prints each path and each binary's version
 (``make k8s-tools``).
@@ -32,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -76,23 +74,6 @@ CNI_DEB = ("containernetworking-plugins", "1.1.1+ds1-3+b5")
 CNI_PLUGINS = ("bridge", "host-local", "portmap", "loopback")
 HOST_CNI_DIRS = (Path("/usr/lib/cni"), Path("/opt/cni/bin"))
 
-PAUSE_SOURCE = """\
-// The process of a pod sandbox: pid 1 of its container, where no signal has a default action.
-package main
-
-import (
-	"os"
-	"os/signal"
-	"syscall"
-)
-
-func main() {
-	stop := make(chan os.Signal, 1)
-	signal.Notify(stop, syscall.SIGTERM, syscall.SIGINT)
-	<-stop
-}
-"""
-
 Log = Callable[[str], None]
 
 
@@ -102,7 +83,7 @@ class KubernetesUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class Tools:
-    """Absolute paths of everything a single-node Kubernetes runs, and the Kubernetes version."""
+    """Absolute paths of everything a node of the Kubernetes runs, and the Kubernetes version."""
 
     apiserver: Path
     controller_manager: Path
@@ -185,7 +166,7 @@ def _build_kubernetes(go: str, cache: Path, deadline: float, log: Log) -> None:
     (bin_dir / "kubernetes.build").unlink(missing_ok=True)
     env = {**os.environ, "CGO_ENABLED": "0"}
     log(f"reading {K8S_MODULE}@{K8S_VERSION}'s staging modules from the Go module proxy")
-    download = _run([go, "mod", "download", "-json", f"{K8S_MODULE}@{K8S_VERSION}"], env, cache, deadline)
+    download = run([go, "mod", "download", "-json", f"{K8S_MODULE}@{K8S_VERSION}"], env, cache, deadline)
     go_mod = Path(json.loads(download.stdout)["GoMod"]).read_text()
     staging = staging_replaces(go_mod)
     if not staging:
@@ -194,15 +175,15 @@ def _build_kubernetes(go: str, cache: Path, deadline: float, log: Log) -> None:
     (work / "tools.go").write_text(tools_go_text())
     started = time.monotonic()
     log(f"go mod tidy in {work} ({len(staging)} staging modules at {STAGING_VERSION}; ~740 MB of modules once)")
-    _run([go, "mod", "tidy"], env, work, deadline)
+    run([go, "mod", "tidy"], env, work, deadline)
     log(f"building {', '.join(COMMANDS.values())} into {bin_dir}; the first time takes minutes")
     packages = [f"{K8S_MODULE}/cmd/{name}" for name in COMMANDS.values()]
-    _run([go, "build", "-trimpath", f"-ldflags={ldflags()}", "-o", f"{bin_dir}/", *packages], env, work, deadline)
+    run([go, "build", "-trimpath", f"-ldflags={ldflags()}", "-o", f"{bin_dir}/", *packages], env, work, deadline)
     (bin_dir / "kubernetes.build").write_text(kubernetes_stamp())
     log(f"Kubernetes {K8S_VERSION} built in {time.monotonic() - started:.0f} s")
 
 
-def _require_go(cache: Path) -> str:
+def require_go(cache: Path) -> str:
     go = find_go()
     if go is None:
         raise KubernetesUnavailable(how_to_get_go(cache))
@@ -277,19 +258,19 @@ def _fetch_debs(cache: Path, packages: dict[str, str], deadline: float, log: Log
     root.mkdir()
     for deb in files.values():
         log(f"dpkg-deb -x {deb.name} {root}")
-        _run([dpkg, "-x", str(deb), str(root)], dict(os.environ), folder, deadline)
+        run([dpkg, "-x", str(deb), str(root)], dict(os.environ), folder, deadline)
     stamp.write_text(debs_stamp(packages))
 
 
 def _apt_download(apt: str, package: str, folder: Path, deadline: float) -> None:
     command = [apt, "download", "-qq", package]
     try:
-        _run(command, dict(os.environ), folder, deadline)
+        run(command, dict(os.environ), folder, deadline)
     except KubernetesUnavailable as first:
         # Package lists older than the archive name files it no longer has; refreshing them installs nothing.
         try:
-            _run([apt, "update", "-qq"], dict(os.environ), folder, deadline)
-            _run(command, dict(os.environ), folder, deadline)
+            run([apt, "update", "-qq"], dict(os.environ), folder, deadline)
+            run(command, dict(os.environ), folder, deadline)
         except KubernetesUnavailable as second:
             raise KubernetesUnavailable(
                 f"{first}\nthen, after apt-get update: {second}\nThe fixture was tried with Debian 12's {package}; "
@@ -306,55 +287,23 @@ def _arch(dpkg: str) -> str:
     return "amd64"
 
 
-# --- the pause binary -------------------------------------------------------------------------------------
-
-
-def pause_stamp() -> str:
-    return f"sha256={hashlib.sha256(PAUSE_SOURCE.encode()).hexdigest()} CGO_ENABLED=0 -ldflags=-s -w\n"
-
-
-def pause_binary(timeout: float = 600.0, log: Log | None = None) -> Path:
-    """A static binary that sleeps until SIGTERM or SIGINT and exits 0, built once into ``<cache>/bin/pause``."""
-    cache = cache_dir()
-    binary, stamp = cache / "bin" / "pause", cache / "bin" / "pause.build"
-    if _current(binary, stamp, pause_stamp()):
-        return binary
-    cache.mkdir(parents=True, exist_ok=True)
-    with _locked(cache):
-        if _current(binary, stamp, pause_stamp()):
-            return binary
-        go = _require_go(cache)
-        work = cache / "build" / "pause"
-        work.mkdir(parents=True, exist_ok=True)
-        binary.parent.mkdir(parents=True, exist_ok=True)
-        stamp.unlink(missing_ok=True)
-        (work / "go.mod").write_text(f"module ais-wds-transformer/pause\n\ngo {GO_MIN}.0\n")
-        (work / "main.go").write_text(PAUSE_SOURCE)
-        (log or (lambda message: None))(f"building {binary}")
-        env = {**os.environ, "CGO_ENABLED": "0"}
-        deadline = time.monotonic() + timeout
-        _run([go, "build", "-trimpath", "-ldflags=-s -w", "-o", str(binary), "."], env, work, deadline)
-        stamp.write_text(pause_stamp())
-    return binary
-
-
 # --- all of it --------------------------------------------------------------------------------------------
 
 
-def _current(path: Path, stamp: Path, expected: str) -> bool:
+def current(path: Path, stamp: Path, expected: str) -> bool:
     """Whether ``path`` exists and ``stamp`` says it was made the way it would be made now."""
     return path.exists() and stamp.is_file() and stamp.read_text() == expected
 
 
 def _kubernetes_current(cache: Path) -> bool:
     bin_dir = cache / "bin"
-    return _current(bin_dir, bin_dir / "kubernetes.build", kubernetes_stamp()) and all(
+    return current(bin_dir, bin_dir / "kubernetes.build", kubernetes_stamp()) and all(
         (bin_dir / name).is_file() for name in COMMANDS.values()
     )
 
 
 def _debs_current(cache: Path) -> bool:
-    return _current(cache / "debs" / "root", cache / "debs" / "root.stamp", debs_stamp(deb_packages()))
+    return current(cache / "debs" / "root", cache / "debs" / "root.stamp", debs_stamp(deb_packages()))
 
 
 def host_iptables() -> Path | None:
@@ -403,7 +352,7 @@ def cached_tools() -> Tools | None:
 
 
 def install_kubernetes(timeout: float = 1800.0, log: Log | None = None) -> Tools:
-    """The tools of a single-node Kubernetes, each part built or fetched first where needed (see the module)."""
+    """The tools of the Kubernetes, each part built or fetched first where needed (see the module)."""
     say = log or (lambda message: None)
     _iptables()  # before minutes of building
     ready = cached_tools()
@@ -412,23 +361,23 @@ def install_kubernetes(timeout: float = 1800.0, log: Log | None = None) -> Tools
     cache = cache_dir()
     deadline = time.monotonic() + timeout
     cache.mkdir(parents=True, exist_ok=True)
-    with _locked(cache):
+    with locked(cache):
         if not _kubernetes_current(cache):
-            _build_kubernetes(_require_go(cache), cache, deadline, say)
+            _build_kubernetes(require_go(cache), cache, deadline, say)
         if not _debs_current(cache):
             _fetch_debs(cache, deb_packages(), deadline, say)
         return _tools(cache)
 
 
 @contextlib.contextmanager
-def _locked(cache: Path) -> Iterator[None]:
+def locked(cache: Path) -> Iterator[None]:
     """An exclusive lock on the cache, so that concurrent runs make each part once."""
     with open(cache / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
 
-def _run(command: list[str], env: dict[str, str], cwd: Path, deadline: float) -> subprocess.CompletedProcess:
+def run(command: list[str], env: dict[str, str], cwd: Path, deadline: float) -> subprocess.CompletedProcess:
     left = deadline - time.monotonic()
     if left <= 0:
         raise KubernetesUnavailable(f"no time left to run {' '.join(command)}")
@@ -464,14 +413,16 @@ def main() -> int:
     def say(message: str) -> None:
         print(f"k8s: [{time.monotonic() - started:5.0f} s] {message}", flush=True)
 
+    from .gobuilds import go_programs
+
     try:
         tools = install_kubernetes(log=say)
-        pause = pause_binary(log=say)
+        programs = go_programs(log=say)
     except KubernetesUnavailable as exc:
         print(f"k8s: {exc}", file=sys.stderr)
         return 1
     say(f"ready in {cache_dir()}")
-    for name, path in {**tools.paths(), "pause": pause}.items():
+    for name, path in {**tools.paths(), **programs}.items():
         print(f"{name:20} {path}")
     for name, args in VERSION_COMMANDS.items():
         result = subprocess.run([str(getattr(tools, name)), *args], capture_output=True, text=True, timeout=60)

@@ -1,14 +1,15 @@
-"""The real-ETL suite's view of a real Kubernetes: the calls the fake one answers, served by a real node.
+"""The real-ETL suite's view of the real cluster: the calls the fake Kubernetes answers, served by real nodes.
 
-The fake is ``testbed/fake_kube.py``; the node is ``node.py``.
+The fake is ``testbed/fake_kube.py``; the cluster is ``cluster.py``.
 
-The tests ask Kubernetes for the ETL pods of an ETL, which of them run, their address (``hostIP`` and the
-Service's ``nodePort``), the host pid and user of their main process, and their whole logs, deleted pods'
-too; they kill a pod's main process (a node losing it) or have the kernel's OOM killer end it.
+The tests ask Kubernetes for the ETL pods of an ETL, which of them run, on which node, their address
+(``hostIP`` and the Service's ``nodePort``), the host pid and user of their main process, and their whole logs,
+deleted pods' too; they kill a pod's main process or have the kernel's OOM killer end it. AIS's own pods (the
+StatefulSets of ``ais.py``) are followed too, apart from the ETL pods.
 
 Pods are followed by listing them every ``poll`` seconds. The kubelet removes a pod's log files with the
-pod, so each log is copied, as it grows, into ``<root>/pods/<pod>-<uid>/log`` (the message of each CRI log
-line: what the container wrote).
+pod, so each log is copied, as it grows, from its node into ``<root>/pods/<pod>-<uid>/log`` (the message of
+each CRI log line: what the container wrote).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..fake_kube import wait_until
-from .node import KubeNode
+from .cluster import Cluster
 
-AIS_NODE_IMAGE = "127.0.0.1:5000/ais-wds-pause:1"  # the AIS nodes' own pods: a sandbox and a sleeper
+ETL_LABEL = ("app.kubernetes.io/name", "etl")  # what AIS labels its ETL pods with (ext/etl/boot.go)
+AIS_LABEL = ("app.kubernetes.io/name", "ais")  # the operator's label of AIS's own pods
 
 
 def cri_messages(data: bytes) -> bytes:
@@ -39,6 +41,18 @@ def cri_messages(data: bytes) -> bytes:
     return b"".join(out)
 
 
+@dataclass(frozen=True)
+class MainProcess:
+    """A container's main process as the host sees it, asked what a local process is asked: its pid, and
+    ``poll`` (None while it runs, else its exit code as the kubelet reports it)."""
+
+    pid: int
+    exit_code: int | None = None
+
+    def poll(self) -> int | None:
+        return self.exit_code
+
+
 @dataclass
 class RealPod:
     """One pod as last listed, and where its log is copied."""
@@ -46,7 +60,7 @@ class RealPod:
     obj: dict
     folder: Path
     kube: RealKubernetes
-    static: bool = False
+    kind: str = ""  # "etl", "ais" or "" (anything else)
     gone: bool = False
     runtime: str = "container"
     user: tuple[int, int] | None = None
@@ -62,6 +76,15 @@ class RealPod:
     @property
     def host(self) -> str:
         return self.obj.get("status", {}).get("hostIP", "")
+
+    @property
+    def node(self) -> str:
+        return self.obj.get("spec", {}).get("nodeName", "")
+
+    @property
+    def ready(self) -> bool:
+        conditions = self.obj.get("status", {}).get("conditions") or []
+        return not self.gone and any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
     @property
     def port(self) -> int:
@@ -91,32 +114,33 @@ class RealPod:
         """The host pid of the container's main process (0 if none runs)."""
         return self.kube.main_pid(self)
 
+    @property
+    def container(self) -> MainProcess:
+        """Its container's main process; exited (with the kubelet's exit code, or -1) when none runs."""
+        pid = self.pid
+        if pid:
+            return MainProcess(pid)
+        status = (self.obj.get("status", {}).get("containerStatuses") or [{}])[0]
+        ended = status.get("state", {}).get("terminated") or status.get("lastState", {}).get("terminated") or {}
+        return MainProcess(0, ended.get("exitCode", -1))
 
-@dataclass
-class _Runtime:
-    """What the fake's pod runtime answers: the containers left in containerd."""
 
-    kube: RealKubernetes
+@dataclass(frozen=True)
+class KubeletRuntime:
+    """How the ETL pods run, as the fake Kubernetes' pod runtimes say it: containers of the image."""
+
     kind: str = "container"
-
-    def leftovers(self) -> list[str]:
-        return self.kube.leftover_containers()
-
-    def remove_all(self) -> None:
-        return None  # the node's pid namespace ends them all
 
 
 @dataclass
 class RealKubernetes:
-    node: KubeNode
+    cluster: Cluster
     root: Path
     namespace: str = "default"
     poll: float = 0.2
     pods: dict[str, RealPod] = field(default_factory=dict)  # uid -> pod, deleted ones too
     started: list[RealPod] = field(default_factory=list)  # every ETL pod whose container started
     services: dict[str, dict] = field(default_factory=dict)
-    unexpected: list[str] = field(default_factory=list)  # the real API serves every call: always empty
-    runtimes: dict = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _copying: threading.Lock = field(default_factory=threading.Lock)  # one log copy at a time
     _offsets: dict[str, int] = field(default_factory=dict)
@@ -124,13 +148,13 @@ class RealKubernetes:
     _thread: threading.Thread | None = None
 
     def __post_init__(self) -> None:
-        self.runtime = _Runtime(self)
-        self.session = self.node.session()
-        self.api = f"{self.node.api_url}/api/v1/namespaces/{self.namespace}"
+        self.runtime = KubeletRuntime()
+        self.session = self.cluster.session()
+        self.api = f"{self.cluster.api_url}/api/v1/namespaces/{self.namespace}"
 
     # -- following the cluster
     def start(self) -> None:
-        """Start following pods (the caller's thread is in the node's network namespace)."""
+        """Start following pods (the caller's thread is in the cluster's machine room)."""
         self.refresh()
         self._thread = threading.Thread(target=self._follow, name="k8s-follow", daemon=True)
         self._thread.start()
@@ -151,12 +175,13 @@ class RealKubernetes:
                 listed.add(uid)
                 pod = self.pods.get(uid)
                 if pod is None:
-                    static = obj["metadata"].get("labels", {}).get("ais-wds-node") == "aisnode"
-                    pod = RealPod(obj, self.root / "pods" / f"{obj['metadata']['name']}-{uid[:8]}", self, static)
+                    labels = obj["metadata"].get("labels", {})
+                    kind = next((label[1] for label in (ETL_LABEL, AIS_LABEL) if labels.get(label[0]) == label[1]), "")
+                    pod = RealPod(obj, self.root / "pods" / f"{obj['metadata']['name']}-{uid[:8]}", self, kind)
                     pod.folder.mkdir(parents=True, exist_ok=True)
                     self.pods[uid] = pod
                 pod.obj = obj
-                if not pod.static and pod not in self.started and pod.container_id():
+                if pod.kind == "etl" and pod not in self.started and pod.container_id():
                     self.started.append(pod)
                 if pod.user is None and pod.container_id():
                     pod.user = self._user(pod)
@@ -167,12 +192,13 @@ class RealKubernetes:
             self._copy_logs()
 
     def _copy_logs(self) -> None:
-        """Append what each container wrote since the last look (CRI lines: time, stream, tag, message)."""
-        logs = self.node.inside_path("/var/log/pods")
+        """Append what each ETL container wrote since the last look (CRI lines: time, stream, tag, message), from
+        its node while that runs."""
         for pod in list(self.pods.values()):
-            if pod.static:
+            node = self.cluster.nodes.get(pod.node)
+            if pod.kind != "etl" or node is None or not node.alive():
                 continue
-            folder = logs / f"{self.namespace}_{pod.name}_{pod.uid}"
+            folder = node.inside_path("/var/log/pods") / f"{self.namespace}_{pod.name}_{pod.uid}"
             with contextlib.suppress(OSError):
                 for file in sorted(folder.glob("*/*.log")):
                     key = str(file)
@@ -202,7 +228,16 @@ class RealKubernetes:
 
     def etl_pods(self) -> list[RealPod]:
         with self._lock:
-            return [pod for pod in self.pods.values() if not pod.static and not pod.gone]
+            return [pod for pod in self.pods.values() if pod.kind == "etl" and not pod.gone]
+
+    def ais_pods(self) -> list[RealPod]:
+        with self._lock:
+            return [pod for pod in self.pods.values() if pod.kind == "ais" and not pod.gone]
+
+    def pod_named(self, name: str) -> RealPod | None:
+        """The listed pod called ``name`` (a StatefulSet's pod keeps its name across restarts)."""
+        with self._lock:
+            return next((pod for pod in self.pods.values() if pod.name == name and not pod.gone), None)
 
     def pods_of(self, etl: str) -> list[RealPod]:
         """The listed ETL pods of ``etl`` (AIS names them ``<etl>-<target id>``)."""
@@ -215,10 +250,10 @@ class RealKubernetes:
         return wait_until(predicate, timeout, f"Kubernetes: {what}", 0.1)
 
     def container_cgroup(self, pod: RealPod, hierarchy: str = "memory") -> Path | None:
-        container = pod.container_id()
-        if not container:
+        container, node = pod.container_id(), self.cluster.nodes.get(pod.node)
+        if not container or node is None:
             return None
-        base = Path("/sys/fs/cgroup") / hierarchy / self.node.cgroup.strip("/")
+        base = Path("/sys/fs/cgroup") / hierarchy / node.config.cgroup.strip("/")
         found = list(base.glob(f"kubepods*/pod{pod.uid}/{container}")) + \
             list(base.glob(f"kubepods*/*/pod{pod.uid}/{container}"))
         return found[0] if found else None
@@ -263,10 +298,9 @@ class RealKubernetes:
         Path(f"/proc/{pid}/oom_score_adj").write_text("1000")
         usage = int((cgroup / "memory.usage_in_bytes").read_text())
         (cgroup / "memory.limit_in_bytes").write_text(str(usage + (1 << 20)))
-        allocate = self.node.kubectl_command("exec", pod.name, "--", "python", "-c",
-                                               "b = []\nwhile True:\n    b.append(b'x' * (64 << 20))")
-        exec_ = subprocess.Popen(allocate, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                 preexec_fn=self.node.enter_netns)
+        allocate = self.cluster.kubectl_command("-n", self.namespace, "exec", pod.name, "--", "python", "-c",
+                                                "b = []\nwhile True:\n    b.append(b'x' * (64 << 20))")
+        exec_ = subprocess.Popen(allocate, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             self.wait(lambda: not Path(f"/proc/{pid}").exists(), timeout, f"the OOM kill of pod {pod.name}")
         finally:
@@ -274,29 +308,18 @@ class RealKubernetes:
             exec_.wait()
 
     def leftover_containers(self) -> list[str]:
-        """Containers containerd still runs (the tasks of the node's k8s.io namespace)."""
-        ctr = [str(self.node.tools.ctr), "--address", str(self.node.inside_path("/run/containerd/containerd.sock")),
-               "-n", "k8s.io", "tasks", "list", "-q"]
-        done = subprocess.run(ctr, capture_output=True, text=True, timeout=30)
-        return done.stdout.split()
-
-    # -- the AIS nodes' own pods
-    def add_static_pod(self, name: str, node: str, volumes: list[tuple[str, str]]) -> None:
-        """An AIS node's own pod (``$MY_POD``): a sleeper on the node, its volumes those the ETL pods copy."""
-        obj = {
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": self.namespace,
-                         "labels": {"app": "ais", "ais-wds-node": "aisnode"}},
-            "spec": {"nodeName": node, "terminationGracePeriodSeconds": 0, "automountServiceAccountToken": False,
-                     "containers": [{"name": "ais-node", "image": AIS_NODE_IMAGE,
-                                     "volumeMounts": [{"name": n, "mountPath": p} for n, p in volumes]}],
-                     "volumes": [{"name": n, "hostPath": {"path": p, "type": "Directory"}} for n, p in volumes]},
-        }
-        response = self.session.post(f"{self.api}/pods", data=json.dumps(obj), timeout=10,
-                                     headers={"Content-Type": "application/json"})
-        response.raise_for_status()
-
-    def delete_static_pods(self) -> None:
-        for pod in list(self.pods.values()):
-            if pod.static and not pod.gone:
-                self.session.delete(f"{self.api}/pods/{pod.name}", timeout=10, params={"gracePeriodSeconds": 0})
+        """Containers the running nodes' containerd still run (the tasks of their k8s.io namespace), less the
+        cluster's own (the DNS)."""
+        left = []
+        for node in self.cluster.nodes.values():
+            if not node.alive():
+                continue
+            ctr = [str(self.cluster.tools.ctr), "--address", str(node.inside_path("/run/containerd/containerd.sock")),
+                   "-n", "k8s.io"]
+            tasks = subprocess.run([*ctr, "tasks", "list", "-q"], capture_output=True, text=True, timeout=30)
+            for task in tasks.stdout.split():
+                info = subprocess.run([*ctr, "containers", "info", task], capture_output=True, text=True, timeout=30)
+                labels = json.loads(info.stdout or "{}").get("Labels") or {}
+                if labels.get("io.kubernetes.pod.namespace") == self.namespace:
+                    left.append(f"{node.name}/{labels.get('io.kubernetes.pod.name', task)}")
+        return left

@@ -11,7 +11,8 @@ inside it; should any test come after anyway, it fails, naming why. At the end
 the fixture checks that no aisnode and no pod process is left, and that AIS asked the fake
 Kubernetes for nothing it does not serve. Without the privileges a network namespace needs, these
 tests fail with the reason, never skip. With ``AIS_WDS_KUBE=real`` (``make test-k8s``) the same tests run
-on a real single-node Kubernetes instead (``testbed/k8s/``), and ``test_kubernetes.py`` joins them.
+on the cluster users run instead (``testbed/k8s/``: two real Kubernetes nodes, AIS itself as pods), and
+``test_kubernetes.py`` and ``test_two_nodes.py`` join them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import re
 import tarfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
@@ -29,7 +31,6 @@ import pytest
 from testbed import userns
 from testbed.cluster import AisnodeUnavailable
 from testbed.etl_cluster import (
-    IMAGE,
     NODES,
     REAL_KUBERNETES,
     EtlCluster,
@@ -43,6 +44,9 @@ from transformer.client import register, unregister
 
 from .secret_last import _secret_watches_the_cluster, secret_checked_last  # noqa: F401 (the secret, checked last)
 
+if TYPE_CHECKING:
+    from testbed.k8s.ais import AisCluster
+
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
@@ -53,7 +57,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     etl = [item for item in items if here in Path(str(item.path)).parents]
     if etl:
         rest = [item for item in items if here not in Path(str(item.path)).parents]
-        items[:] = rest + etl
+        # a node lost aborts every ETL the package shares: that test comes last
+        loss = [item for item in etl if Path(str(item.path)).name == "test_node_loss.py"]
+        items[:] = rest + [item for item in etl if item not in loss] + loss
 
 
 @pytest.fixture(scope="package")
@@ -92,37 +98,28 @@ def etl_cluster(aisnode: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
             userns.stuck_in.append(str(exc))
 
 
-def _on_real_kubernetes(aisnode: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtlCluster]:
-    """The cluster on a real single-node Kubernetes (``testbed/k8s/``): ETL pods are scheduled by its scheduler and
-    run by its kubelet from the image ``make image`` built, pulled from the node's registry."""
-    from testbed.etl_cluster import start_etl_cluster_on
+def _on_real_kubernetes(aisnode: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AisCluster]:
+    """The cluster users run (``testbed/k8s/``): two Kubernetes nodes, AIS's proxy and targets as pods, each
+    target's ETL pods scheduled on its node by AIS's node affinity and run by that node's kubelet from the image
+    ``make image`` built, pulled from the cluster's registry. At the end nothing may be left on the host."""
     from testbed.k8s.build import KubernetesUnavailable
-    from testbed.k8s.node import start_node
-    from testbed.pods import IMAGE as BUILT
+    from testbed.k8s.up import start_ais_cluster
 
+    root = tmp_path_factory.mktemp("k8s")
     try:
-        node = start_node(tmp_path_factory.mktemp("k8s"), log=lambda message: print(message, flush=True))
-    except KubernetesUnavailable as exc:
+        cluster = start_ais_cluster(root, log=lambda message: print(message, flush=True))
+    except (KubernetesUnavailable, AisnodeUnavailable) as exc:
         pytest.fail(str(exc), pytrace=False)
-    node.enter()
     try:
-        # the names the tests' specs give (docker.io/library/...) and the project's spec (localhost:5000/...)
-        node.push(BUILT, f"library/{IMAGE}", "ais-wds-transformer:0.1.0")
-        node.warm(IMAGE)  # its layers unpacked once: each ETL pod's pull (policy Always) is then quick
-        cluster = start_etl_cluster_on(node, aisnode, tmp_path_factory.mktemp("ais-etl"))
-        try:
-            yield cluster
-        finally:
-            forced = cluster.stop()
-        assert not forced, "the cluster did not end by itself:\n" + "\n".join(forced)
-        running = [n.role for n in cluster.nodes() if n.process.poll() is None]
-        assert not running, f"left running: aisnode {running}"
-        seen = [(pod.name, pod.user) for pod in cluster.kube.started if pod.user is not None]  # None: ended unseen
-        other = [(name, user) for name, user in seen if user != (10001, 0)]
-        assert seen and not other, f"ETL pods not run as the image's user 10001:0: {other}"
+        yield cluster
     finally:
-        node.stop()
-        node.leave()
+        forced = cluster.stop()
+    assert not forced, "the cluster did not end by itself:\n" + "\n".join(forced)
+    seen = [(pod.name, pod.user) for pod in cluster.kube.started if pod.user is not None]  # None: ended unseen
+    other = [(name, user) for name, user in seen if user != (10001, 0)]
+    assert seen and not other, f"ETL pods not run as the image's user 10001:0: {other}"
+    left = cluster.cluster.leftovers()
+    assert not left, f"left on the host: {left}"
 
 
 @pytest.fixture(scope="package")

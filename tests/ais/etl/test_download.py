@@ -9,8 +9,9 @@ from collections.abc import Iterator
 import pytest
 import requests
 
-from testbed.etl_cluster import NODES, EtlCluster
+from testbed.etl_cluster import NODES, REAL_KUBERNETES, EtlCluster
 from testbed.httpserve import StaticServer
+from testbed.k8s.topology import LAN_GATEWAY
 from testbed.shardgen import read_output
 from transformer.client import download, shard_urls
 
@@ -25,11 +26,12 @@ ARGS = {"dtype": "uint8", "seed": 11}
 @pytest.fixture(scope="module")
 def origin(etl_cluster: EtlCluster) -> Iterator[str]:
     """An HTTP server with the shards above, ``junk.tar`` (no tar) and ``bad.tar`` (a sample fails after the
-    first byte); anything else is 404. It listens on node-0's address, in the cluster's namespace."""
+    first byte); anything else is 404. It listens on node-0's address, in the cluster's namespace (on a real
+    Kubernetes, on the machine room's address, outside both nodes, where the pods reach it)."""
     files = {f"/data/{name}": data for name, data in SHARDS.items()}
     files["/data/junk.tar"] = b"not a tar archive" * 100
     files["/data/bad.tar"] = failing_shard()
-    server = StaticServer(files, host=NODES["node-0"])
+    server = StaticServer(files, host=LAN_GATEWAY if REAL_KUBERNETES else NODES["node-0"])
     yield f"{server.url}/data"
     server.close()
 

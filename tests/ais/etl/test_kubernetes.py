@@ -1,8 +1,8 @@
 """What only a real Kubernetes decides about the ETL pods AIS creates (``make test-k8s``): the scheduler places
-them by AIS's node affinity; containerd pulls the image from the node's registry; the kubelet runs it as the
-image's user with the spec's resources, probes ``/health``, mounts the targets' volumes read-only and has the
-kernel enforce the memory limit; kube-proxy serves the NodePort AIS dials; AIS reads the pods' logs from the
-kubelet; a pod whose image does not exist never starts.
+them by AIS's node affinity, on the target's node; containerd pulls the image from the cluster's registry; the
+kubelet runs it as the image's user with the spec's resources, probes ``/health``, mounts the target pod's
+volumes read-only and has the kernel enforce the memory limit; kube-proxy serves the NodePort AIS dials; AIS
+reads the pods' logs from the kubelets; a pod whose image does not exist never starts.
 
 Selected only by a ``-m`` that names ``k8s``; the rest of the real-ETL suite runs on the same cluster.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from urllib.parse import urlparse
 
 import pytest
 import requests
@@ -29,7 +30,8 @@ ONE_CPU = {"requests": {"cpu": "1", "memory": "3Gi"}, "limits": {"cpu": "1", "me
 
 def events(cluster: EtlCluster, pod: str) -> set[tuple[str, str]]:
     """(reason, component) of each event Kubernetes recorded about ``pod``."""
-    out = cluster.node.kubectl("get", "events", "-o", "json", f"--field-selector=involvedObject.name={pod}")
+    out = cluster.node.kubectl("-n", cluster.kube.namespace, "get", "events", "-o", "json",
+                               f"--field-selector=involvedObject.name={pod}")
     return {(e["reason"], (e.get("source") or {}).get("component") or e.get("reportingComponent", ""))
             for e in json.loads(out)["items"]}
 
@@ -49,19 +51,19 @@ def test_pods_are_scheduled_pulled_and_run_by_kubernetes_as_the_spec_says(etl_cl
     pods = etl_cluster.kube.running_pods(name)
     assert sorted(etl_cluster.target_of(pod) for pod in pods) == [0, 1]
     for pod in pods:
-        spec = pod.obj["spec"]
+        spec, target = pod.obj["spec"], etl_cluster.targets[etl_cluster.target_of(pod)]
         terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
         assert terms[0]["matchExpressions"][0] == {"key": "kubernetes.io/hostname", "operator": "In",
-                                                   "values": ["ais-node"]}
+                                                   "values": [target.node]}  # the target's MY_NODE
         seen = events(etl_cluster, pod.name)
         assert ("Scheduled", "default-scheduler") in seen, seen  # placed by the scheduler, not by AIS
         assert ("Pulling", "kubelet") in seen, seen  # imagePullPolicy Always: asked of the registry each time
-        assert spec["nodeName"] == "ais-node" and pod.host == "198.51.100.10"
+        assert spec["nodeName"] == target.node and pod.host == urlparse(target.url).hostname  # the node's address
         container = spec["containers"][0]
         assert container["resources"] == ONE_CPU and pod.obj["status"]["qosClass"] == "Guaranteed"
         assert container["readinessProbe"]["httpGet"]["path"] == "/health"
         assert pod.user == (10001, 0)  # the image's USER, group 0: what reads AIS's 0640 root:root objects
-        data = next(m for m in container["volumeMounts"] if m["name"] == "ais-data")
+        data = next(m for m in container["volumeMounts"] if m["mountPath"] == etl_cluster.mountpath)
         assert data.get("readOnly") is True and "ro" in mount_options(pod.pid, data["mountPath"])
         assert requests.get(f"http://{pod.host}:{pod.port}/health", timeout=5).status_code == 200  # kube-proxy
         assert "transformer ready: 1 workers" in pod.log_text()  # the kubelet's CPU limit, read from the cgroup

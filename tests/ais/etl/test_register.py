@@ -48,11 +48,11 @@ def test_register_each_comm_type_runs_one_pod_per_target(etl_client, etl_cluster
         assert stage(etl_client, name) == "Running"
         pods = running_pods(etl_cluster, name)
         assert sorted(etl_cluster.target_of(pod) for pod in pods) == [0, 1]  # one per target, on its node:
-        assert all(pod.host == urlparse(etl_cluster.targets[etl_cluster.target_of(pod)].data_url).hostname
+        assert all(pod.host == urlparse(etl_cluster.targets[etl_cluster.target_of(pod)].url).hostname
                    for pod in pods)
         env = {e["name"]: e["value"] for e in pods[0].obj["spec"]["containers"][0]["env"]}
-        assert env["AIS_TARGET_URL"].startswith("http://198.51.100.1")
-        assert "/v1/etl/_object/" + name + "/" in env["AIS_TARGET_URL"]
+        target = etl_cluster.targets[etl_cluster.target_of(pods[0])]
+        assert env["AIS_TARGET_URL"].startswith(f"{target.data_url}/v1/etl/_object/{name}/")  # its intra-data URL
         assert env["ETL_OBJ_TIMEOUT"] == "60s" and env["direct_put"] == "true"
         again = register(etl_client, name, settings(comm_type))
         assert not again.created and running_pods(etl_cluster, name) == pods  # idempotent: same pods

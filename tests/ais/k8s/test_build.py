@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-from testbed.k8s import build
+from testbed.k8s import build, gobuilds
 
 KUBERNETES_GO_MOD = """\
 module k8s.io/kubernetes
@@ -77,7 +78,7 @@ def test_ldflags_stamp_the_version_where_kubectl_and_the_servers_read_it() -> No
 def _fake_cache(cache: Path) -> None:
     """Every file a finished build leaves, each part stamped as it would be made now."""
     bin_dir, root = cache / "bin", cache / "debs" / "root"
-    for path in [*(bin_dir / name for name in build.COMMANDS.values()), bin_dir / "pause"]:
+    for path in [bin_dir / name for name in (*build.COMMANDS.values(), *gobuilds.stamps())]:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("")
     for name in ("containerd", "containerd-shim-runc-v2", "ctr", "etcd", "etcdctl", "docker-registry"):
@@ -89,7 +90,8 @@ def _fake_cache(cache: Path) -> None:
     for plugin in build.CNI_PLUGINS:
         (root / "usr/lib/cni" / plugin).write_text("")
     (bin_dir / "kubernetes.build").write_text(build.kubernetes_stamp())
-    (bin_dir / "pause.build").write_text(build.pause_stamp())
+    for name, stamp in gobuilds.stamps().items():
+        (bin_dir / f"{name}.build").write_text(stamp)
     (cache / "debs" / "root.stamp").write_text(build.debs_stamp(build.deb_packages()))
 
 
@@ -106,7 +108,7 @@ def test_a_finished_build_is_reused_without_go(cache: Path, monkeypatch: pytest.
     assert all(path.is_absolute() and path.exists() for path in tools.paths().values())
     assert tools.version == "v1.34.4"
     assert tools.iptables == cache.parent / "host" / "iptables"
-    assert build.pause_binary() == cache / "bin" / "pause"
+    assert gobuilds.go_programs() == {name: cache / "bin" / name for name in ("pause", "coredns", "aisinit")}
 
 
 def test_without_iptables_the_error_names_it_and_the_fix_before_any_build(
@@ -150,12 +152,30 @@ def test_a_missing_binary_means_a_rebuild(cache: Path, monkeypatch: pytest.Monke
         build.install_kubernetes()
 
 
-def test_a_changed_pause_source_means_a_rebuild(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("name", "change"), [("pause", ("PAUSE_SOURCE", gobuilds.PAUSE_SOURCE + "\n// changed\n")),
+                                            ("coredns", ("COREDNS_VERSION", "v1.12.0")),
+                                            ("aisinit", ("AISNODE_VERSION", "v1.4.9"))])
+def test_a_changed_go_program_means_a_rebuild(cache: Path, monkeypatch: pytest.MonkeyPatch, name: str,
+                                              change: tuple[str, str]) -> None:
     _fake_cache(cache)
     _no_go(monkeypatch)
-    monkeypatch.setattr(build, "PAUSE_SOURCE", build.PAUSE_SOURCE + "\n// changed\n")
+    assert gobuilds.go_program(name) == cache / "bin" / name
+    monkeypatch.setattr(gobuilds, *change)
     with pytest.raises(build.KubernetesUnavailable, match=r"Go >= 1\.24"):
-        build.pause_binary()
+        gobuilds.go_program(name)
+
+
+def test_coredns_is_built_with_the_plugins_of_a_clusters_corefile_in_coredns_order() -> None:
+    from testbed.k8s.dns import COREFILE
+
+    source = gobuilds.coredns_main()
+    directives = re.findall(r'^\t"(\w+)",$', source, flags=re.MULTILINE)
+    assert directives == list(gobuilds.COREDNS_PLUGINS)
+    used = re.findall(r"^    (\w+)", COREFILE, flags=re.MULTILINE)
+    assert sorted(used) == sorted(directives)  # each directive the Corefile uses is built in, and nothing else
+    assert "forward" not in used  # nothing outside the cluster is asked
+    for package in gobuilds.COREDNS_PLUGINS.values():
+        assert f'_ "github.com/coredns/coredns/plugin/{package}"' in source
 
 
 def test_a_changed_package_list_means_a_new_unpack(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
