@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import zipfile
@@ -126,7 +127,7 @@ def test_carried_wheels_go_first_on_the_path_and_unmet_requirements_are_named(tm
     assert found["status"] == "failed" and found["reason"] == "every requirement of the wheels met"
     assert "carried_probe" not in sys.modules  # this process's path is left as it is: the run goes on in a child
     env = gpu.carried_env(tmp_path / "site")
-    assert env["PYTHONPATH"].split(gpu.os.pathsep)[0] == str(tmp_path / "site")
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path / "site")
     child = subprocess.run([sys.executable, "-c", "import carried_probe; print(carried_probe.__file__)"], env=env,
                            cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True)
     assert Path(child.stdout.strip()).parent == tmp_path / "site"
@@ -186,8 +187,8 @@ def test_the_overlap_has_a_threshold() -> None:
 
 
 def test_a_module_missing_there_fails_the_imports_part_naming_it() -> None:
-    found = gpu.import_all({"json": "bench/gpu.py:1", "not_a_module_anywhere": "elsewhere.py:7"})
+    found = gpu.import_all({"json": "bench/gpu/run.py:1", "not_a_module_anywhere": "elsewhere.py:7"})
     assert found["status"] == "failed" and list(found["failed"]) == ["not_a_module_anywhere"]
     detail = found["checks"][0]["detail"]
     assert "not_a_module_anywhere (imported at elsewhere.py:7): ModuleNotFoundError" in detail
-    assert "status" not in gpu.import_all({"json": "bench/gpu.py:1"})
+    assert "status" not in gpu.import_all({"json": "bench/gpu/run.py:1"})

@@ -1,0 +1,7 @@
+"""``python -m bench.gpu``."""
+
+import sys
+
+from .run import main
+
+sys.exit(main())
