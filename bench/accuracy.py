@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.report import finish, stamp
+from bench.report import finish
+from bench.stamp import stamp
 from testbed.shardgen import textured_jpeg
 
 # (width, height): short side 200 to 2400, landscape and portrait, odd sizes, ImageNet's common 500 x 375/333.

@@ -27,7 +27,7 @@ from collections import Counter
 from pathlib import Path
 
 from . import client_side, data
-from .report import git_state
+from .stamp import git_state
 from .stats import median
 
 log = logging.getLogger("bench")

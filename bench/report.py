@@ -13,16 +13,12 @@ from pathlib import Path
 
 import psutil
 
+from .stamp import cpu_name, git_state, short_commit, stamp, stamp_line
 from .stats import median, ratio
 from .summary import summarize
 
 PACKAGES = ("torch", "torchvision", "pillow", "numpy", "simplejpeg", "webdataset", "aistore", "fastapi", "uvicorn",
             "httptools", "uvloop", "websockets", "psutil")
-
-
-def _git(*command: str) -> str:
-    done = subprocess.run(["git", *command], capture_output=True, text=True, cwd=Path(__file__).parents[1])
-    return done.stdout.strip()
 
 
 def finish(results: dict, json_path: Path | None, text: str) -> int:
@@ -31,17 +27,6 @@ def finish(results: dict, json_path: Path | None, text: str) -> int:
         json_path.write_text(json.dumps(results, indent=1))
     print(text)
     return 0
-
-
-def stamp() -> dict[str, str]:
-    """The checked-out commit (short, " (dirty)" when transformer/ differs from it) and the date and time now: what
-    every kept run's report states near its top (tests/test_kept_runs.py). Taken when a run starts."""
-    return {"git": git_state()["git"], "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
-
-
-def stamp_line(meta: dict) -> str:
-    """The report's line naming the commit whose code the run measured, and its date."""
-    return f"Commit: {meta.get('git') or meta.get('commit') or 'unknown'}, date: {meta.get('started', 'unknown')}."
 
 
 def save_run(out: Path, results: dict, title: str, command: str, text: str, started: dict | None = None) -> int:
@@ -59,7 +44,7 @@ def save_run(out: Path, results: dict, title: str, command: str, text: str, star
 
 def run_name(started: float) -> str:
     """A run's folder name: its start (local time) and the checked-out commit, so names sort by date."""
-    return f"{time.strftime('%Y%m%d-%H%M', time.localtime(started))}-{_git('rev-parse', '--short', 'HEAD') or 'nogit'}"
+    return f"{time.strftime('%Y%m%d-%H%M', time.localtime(started))}-{short_commit() or 'nogit'}"
 
 
 def newest_run(root: Path) -> Path:
@@ -68,15 +53,6 @@ def newest_run(root: Path) -> Path:
     if not runs:
         raise FileNotFoundError(f"no run with a results.json under {root}: run python -m bench.run first")
     return runs[-1]
-
-
-def git_state() -> dict[str, str]:
-    """The checked-out commit, short (with " (dirty)" when transformer/ differs from it) and full.
-
-    Taken when a run starts: the checkout may move on while it measures."""
-    # "dirty": the service's code differed from the commit (others edit the shared checkout concurrently).
-    dirty = " (dirty)" if _git("status", "--porcelain", "--", "transformer") else ""
-    return {"git": _git("rev-parse", "--short", "HEAD") + dirty, "commit": _git("rev-parse", "HEAD")}
 
 
 def metadata(argv: list[str], args, started: float, git: dict[str, str] | None = None) -> dict:
@@ -88,8 +64,6 @@ def metadata(argv: list[str], args, started: float, git: dict[str, str] | None =
         except importlib.metadata.PackageNotFoundError:
             return None
 
-    cpu_model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("model name")), platform.processor())
     curl = subprocess.run(["curl", "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     try:
         import torch
@@ -102,7 +76,7 @@ def metadata(argv: list[str], args, started: float, git: dict[str, str] | None =
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
         "duration_s": time.time() - started,
         **(git or git_state()),
-        "machine": {"cpu": cpu_model, "cpus_usable": available_cpus(), "cpus_online": os.cpu_count(),
+        "machine": {"cpu": cpu_name(), "cpus_usable": available_cpus(), "cpus_online": os.cpu_count(),
                     "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "platform": platform.platform(),
                     "gpu": gpu, "load_average_end": [round(x, 2) for x in os.getloadavg()]},
         "versions": {"python": platform.python_version(), **{p: version(p) for p in PACKAGES},

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import client_side, compute, data, report, services
+from . import client_side, compute, data, report, services, stamp
 from .summary import MODES
 
 log = logging.getLogger("bench")
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     budget = Budget(args.budget)
     started = time.time()
-    git = report.git_state()
+    git = stamp.git_state()
     args.out = out_folder(args.out, started)
     load_start = [round(x, 2) for x in os.getloadavg()]
     temporary = None

@@ -52,6 +52,8 @@ from pathlib import Path
 
 import psutil
 
+from bench.stamp import cpu_name, git_state
+
 from . import data
 from .services import FileTarget, Result, Server, curl_available, hpull, hpush, start_peer, start_service, ws_request
 
@@ -485,8 +487,8 @@ def report(args: argparse.Namespace, inflight: list[Case] | None = None, comms: 
     result = {
         "command": "python -m bench.scaling " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "commit": _commit(),
-        "machine": {"cpus": psutil.cpu_count(), "cpu": _cpu_name(), "python": platform.python_version(),
+        "commit": git_state()["git"],
+        "machine": {"cpus": psutil.cpu_count(), "cpu": cpu_name(), "python": platform.python_version(),
                     "load_average": list(psutil.getloadavg())},
         "shards": {"count": args.shards, "samples": args.samples, "image_bytes": image_bytes},
         "target_ceiling": TARGET_CEILING,
@@ -670,22 +672,6 @@ def plot(result: dict, path: Path) -> None:
     axis.grid(alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                              text=True, timeout=10).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
-def _cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def _pct(value: float | None) -> str:

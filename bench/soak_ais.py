@@ -472,10 +472,11 @@ class Soak:
             handler.close()
 
     def _run(self, loadavg_start: tuple[float, float, float]) -> dict:
-        from bench.soak_report import build_report, git_commit
+        from bench.soak_report import build_report
+        from bench.stamp import git_state
 
         options = self.options
-        self.git = git_commit()
+        self.git = git_state()["git"]
         started = time.monotonic()
         self.setup()
         self.setup_s = time.monotonic() - started

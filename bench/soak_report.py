@@ -12,13 +12,13 @@ import gzip
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
+from .stamp import cpu_name
 from .stats import percentile
 
 AISNODES = ("proxy", "target1", "target2")
@@ -31,18 +31,6 @@ def _overlaps(start: float, end: float, window: tuple[float, float]) -> bool:
 
 def _windows(soak, etl: str) -> list[tuple[float, float]]:
     return [kill.window for kill in soak.kills if kill.etl == etl]
-
-
-def git_commit() -> str:
-    """The commit the run's code comes from (read when the run starts), "(dirty)" if bench/ or transformer/
-    differed from it (new files under them do not count)."""
-
-    def git(*command: str) -> str:
-        done = subprocess.run(["git", *command], capture_output=True, text=True, cwd=Path(__file__).parents[1])
-        return done.stdout.strip()
-
-    dirty = " (dirty)" if git("status", "--porcelain", "--untracked-files=no", "--", "transformer", "bench") else ""
-    return git("rev-parse", "--short", "HEAD") + dirty
 
 
 def _reads(soak) -> dict:
@@ -207,7 +195,8 @@ def build_report(soak, probes, loadavg_start: tuple[float, float, float]) -> dic
     report = {
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(time.time() - (time.monotonic() - soak.t0))),
         "git": soak.git,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg_start": loadavg_start,
+        "machine": {"cpus": os.cpu_count(), "cpu": cpu_name(), "platform": platform.platform(),
+                    "loadavg_start": loadavg_start,
                     "loadavg_end": os.getloadavg(), "loadavg_1min_max": max((x[1] for x in load), default=None),
                     "loadavg_1min_median": percentile([x[1] for x in load], 50)},
         "options": {**asdict(options), "comms": list(options.comms)},

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import re
 import statistics
 import sys
@@ -32,7 +31,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.report import save_run, stamp
+from bench.report import save_run
+from bench.stamp import cpu_name, stamp
 
 CASES = ("rerun", "one-changed")
 ETL = "bench-sync-rerun"
@@ -209,8 +209,7 @@ def main() -> int:
     from testbed.etl_cluster import cluster_with_etl, settings
 
     started = stamp()
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    cpu = cpu_name()
     with cluster_with_etl(ETL, settings("hpush", transforms=TRANSFORMS)) as (cluster, client):
         result = measure(cluster, client, shards=options.shards, rounds=options.rounds,
                          progress=lambda line: print(line, flush=True))

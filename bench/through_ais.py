@@ -38,7 +38,8 @@ from urllib.parse import quote
 
 import requests
 
-from bench.report import save_run, stamp
+from bench.report import save_run
+from bench.stamp import stamp
 from testbed.shardgen import imagenet_like_members, make_tar
 
 CASES = ("direct", "inline-hpush", "inline-ws", "offline")

@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 from bench import data, services
-from bench.report import finish, stamp, stamp_line
+from bench.report import finish
+from bench.stamp import stamp, stamp_line
 from bench.stats import median
 from testbed.planted import PLANTS, planted
 

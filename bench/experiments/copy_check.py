@@ -29,7 +29,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.report import save_run, stamp
+from bench.report import save_run
+from bench.stamp import stamp
 from testbed.shardgen import jpeg_bytes, make_tar
 
 CASES = ("list", "check", "read-whole")

@@ -44,7 +44,8 @@ import numpy as np
 import torch
 
 from bench import compute, data, services
-from bench.report import finish, stamp
+from bench.report import finish
+from bench.stamp import stamp
 from bench.stats import median
 
 log = logging.getLogger("bench")

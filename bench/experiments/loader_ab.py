@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from bench import client_side, data
-from bench.report import git_state
+from bench.stamp import git_state
 from bench.stats import median
 
 log = logging.getLogger("bench")
