@@ -177,8 +177,17 @@ def _fmt(value, digits: int = 0) -> str:
 
 
 def write_markdown(results: dict, path: Path) -> None:
-    meta = results["meta"]
+    """results.md: the run's stamp and targets, then one section per measurement (each skipped when not run)."""
     table = summarize(results)
+    lines = _header(results, table) + _compute(results) + _against_http_limit(results) + _round_by_round(results)
+    lines += _cpu_budget(results, table) + _uint8(results) + _throughput(table) + _memory(results, table)
+    lines += _client(results) + _decoders(results) + _skipped_and_failed(results)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _header(results: dict, table: list[dict]) -> list[str]:
+    """The run's command, commit, machine, versions and shards, then the targets table."""
+    meta = results["meta"]
     shards = results["shards"]
     demo = shards["demo"]
     lines = [
@@ -212,7 +221,12 @@ def write_markdown(results: dict, path: Path) -> None:
     for row in targets(results, table):
         met = {True: "yes", False: "**no**", None: "not measured"}[row["met"]]
         lines.append(f"| {row['target']} | {row['measured'] or '–'} | {met} |")
+    return lines
 
+
+def _compute(results: dict) -> list[str]:
+    """The compute limit, the same in processes and sent to curl, and the engine without HTTP."""
+    lines: list[str] = []
     lines += ["", "## Compute limit, and the engine without HTTP", "",
               "Compute limit: `transform_sample` (decode, v2 transforms, .npy) over in-memory samples on the "
               "service's thread count, no tar, no HTTP. Engine: `transform_shard` from the shard file to /dev/null "
@@ -244,11 +258,12 @@ def write_markdown(results: dict, path: Path) -> None:
                 fraction = median([s["images_per_s"] / limits[s["round"]] for s in stage if s["round"] in limits])
                 lines.append(f"| {preset} | {label} | {_fmt(median([s['images_per_s'] for s in stage]))} | "
                              f"{_pct(fraction) or '–'} | {_fmt(median([s['cpu_ms_per_image'] for s in stage]), 2)} | |")
+    return lines
 
-    lines += _against_http_limit(results)
-    lines += _round_by_round(results)
-    lines += _cpu_budget(results, table)
 
+def _uint8(results: dict) -> list[str]:
+    """The same with uint8 output."""
+    lines: list[str] = []
     if results.get("uint8"):
         u = results["uint8"]
         fraction = median([r["service_images_per_s"] / r["compute_images_per_s"] for r in u
@@ -264,7 +279,12 @@ def write_markdown(results: dict, path: Path) -> None:
                   f"| {_fmt(median([r['compute_images_per_s'] for r in u]))} | {_fmt(compute8, 2)} | "
                   f"{_fmt(median([r['service_images_per_s'] for r in u]))} | {_pct(fraction) or '–'} | "
                   f"{_fmt(server, 2)} | {_fmt(client, 2)} | {_fmt(median([r['mb_out_per_s'] for r in u]))} |"]
+    return lines
 
+
+def _throughput(table: list[dict]) -> list[str]:
+    """Throughput over HTTP: every system, preset, mode and shards in flight."""
+    lines: list[str] = []
     lines += ["", "## Throughput over HTTP (loopback, float32 output)", "",
               "Medians over rounds; latency percentiles over every shard request; `of limit` is the ratio to the "
               "compute limit measured in the same round. CPU ms/image counts the whole server process tree.", "",
@@ -282,7 +302,12 @@ def write_markdown(results: dict, path: Path) -> None:
             f"{_fmt(r['ttfb_ms_p50'], 1)} | {_fmt(r['latency_ms_p50'])} | {_fmt(r['latency_ms_p99'])} | "
             f"{_fmt(r['peak_rss_mb'])} | {_fmt(r['cpu_ms_per_image'], 2)} | "
             f"{_fmt(r['client_cpu_ms_per_image'], 2)} |" + (f" {r['failed']} failed" if r["failed"] else ""))
+    return lines
 
+
+def _memory(results: dict, table: list[dict]) -> list[str]:
+    """Memory: small then large shard, and what the conventional ETL would need."""
+    lines: list[str] = []
     if results["memory"]:
         lines += ["", "## Memory: small then large shard (one fresh service per input mode, imagenet-train, "
                       "1 shard in flight)", "",
@@ -310,7 +335,12 @@ def write_markdown(results: dict, path: Path) -> None:
                           f"({per_byte:.1f} bytes per input byte: the input, the output tar in a BytesIO and its "
                           f"getvalue() copy), so the {big['bytes'] / 2**30:.2f} GiB shard would need about "
                           f"{per_byte * big['bytes'] / 2**30:.0f} GiB more, on a machine shared with other jobs."]
+    return lines
 
+
+def _client(results: dict) -> list[str]:
+    """What the training loop receives."""
+    lines: list[str] = []
     if results["client"]:
         lines += ["", "## What the training loop receives (WebLoader, batches of 32)", "",
                   "| reader | preset | dtype | workers | samples/s | MB/s | first batch s | samples |",
@@ -319,7 +349,12 @@ def write_markdown(results: dict, path: Path) -> None:
             lines.append(f"| {c['reader']} | {c['preset']} | {c['dtype']} | {c['workers']} | "
                          f"{_fmt(c['samples_per_s'])} | {_fmt(c.get('mb_per_s'))} | {_fmt(c['first_batch_s'], 2)} | "
                          f"{c['samples']}{'' if c['complete'] else ' (time limit)'} |")
+    return lines
 
+
+def _decoders(results: dict) -> list[str]:
+    """Decode and resize options."""
+    lines: list[str] = []
     if results["decoders"]:
         d0 = results["decoders"][0]
         lines += ["", f"## Decode and resize options (1 thread, {d0['images']} demo JPEGs, median "
@@ -331,15 +366,19 @@ def write_markdown(results: dict, path: Path) -> None:
         for d in results["decoders"]:
             lines.append(f"| {d['option']} | {_fmt(d['decode_ms'], 3)} | {_fmt(d['val_uint8_ms'], 3)} | "
                          f"{d['mae']:.4f} | {'yes' if d['exact'] else 'no'} |")
+    return lines
 
+
+def _skipped_and_failed(results: dict) -> list[str]:
+    """What was skipped, and every failed request."""
+    lines: list[str] = []
     if results["skipped"]:
         lines += ["", "## Skipped", ""] + [f"* {s}" for s in results["skipped"]]
     failures = [r for r in results["measurements"] if r["failed"]]
     if failures:
         lines += ["", "## Failed requests", ""]
         lines += [f"* {r['system']} {r['preset']} {r['mode']} x{r['concurrency']}: {r['errors']}" for r in failures]
-    path.write_text("\n".join(lines) + "\n")
-
+    return lines
 
 def _against_http_limit(results: dict) -> list[str]:
     """This service's images/s over the limit's loop-plus-send, round by round: what its own parts cost."""
