@@ -145,16 +145,19 @@ def replace_older(root: Path, newest: Path) -> list[Path]:
     return removed
 
 
+def _report(problems: list[str]) -> int:
+    """Each problem on stderr; the exit status: 1 when there is any."""
+    print(*problems, sep="\n", file=sys.stderr, end="\n" if problems else "")
+    return 1 if problems else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.headline", description=__doc__.splitlines()[0])
     parser.add_argument("--docs", action="store_true", help="only rewrite the sections from the newest run")
     parser.add_argument("--check", action="store_true", help="only check the sections against their runs")
     args = parser.parse_args(argv)
     if args.check:
-        found = stale()
-        for problem in found:
-            print(problem, file=sys.stderr)
-        return 1 if found else 0
+        return _report(stale())
     if not args.docs:
         folder = ROOT / report.run_name(time.time())
         done = run.main([*ARGS, "--out", str(folder)])

@@ -513,12 +513,7 @@ def write_plot(results: dict, path: Path) -> None:
                 labels.append("client-side decoding")
                 values.append(c["samples_per_s"])
                 shades.append(colors["client"])
-        positions = range(len(labels))
-        ax.barh(list(positions), values, color=shades)
-        ax.set_yticks(list(positions), labels, fontsize=8)
-        ax.invert_yaxis()
-        for y, v in zip(positions, values):
-            ax.text(v, y, f" {v:,.0f}", va="center", fontsize=8)
+        _bars(ax, labels, values, shades)
         if limit:
             ax.axvline(limit, color=colors["limit"], linestyle=":", linewidth=1)
             ax.axvline(0.9 * limit, color=colors["limit"], linestyle="--", linewidth=0.8)
@@ -538,12 +533,7 @@ def write_plot(results: dict, path: Path) -> None:
         labels.append(f"service {m['mode']}, {size} shard")
         values.append(m["peak_rss"] / 2**20)
         shades.append("#5fa2d6" if m["shard"] == "big" else colors["service"])
-    positions = range(len(labels))
-    ax.barh(list(positions), values, color=shades)
-    ax.set_yticks(list(positions), labels, fontsize=8)
-    ax.invert_yaxis()
-    for y, v in zip(positions, values):
-        ax.text(v, y, f" {v:,.0f}", va="center", fontsize=8)
+    _bars(ax, labels, values, shades)
     ax.set_xlabel("peak RSS of the server process tree (MB)")
     ax.set_title("peak RSS, imagenet-train, 1 shard", fontsize=10)
     ax.set_xlim(0, max(values or [1]) * 1.25)
@@ -554,3 +544,13 @@ def write_plot(results: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _bars(ax, labels: list[str], values: list[float], shades: list[str]) -> None:
+    """Horizontal bars, top to bottom in the order given, each labelled with its value."""
+    positions = range(len(labels))
+    ax.barh(list(positions), values, color=shades)
+    ax.set_yticks(list(positions), labels, fontsize=8)
+    ax.invert_yaxis()
+    for y, v in zip(positions, values):
+        ax.text(v, y, f" {v:,.0f}", va="center", fontsize=8)

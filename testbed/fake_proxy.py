@@ -245,13 +245,9 @@ class FakeProxy(EtlRoutes, DsortRoutes):
                                 "dry_run", "force", "latest-ver", "synchronize"}
         if unknown:
             raise ContractViolation(f"unknown etl-bck fields {sorted(unknown)}")
-        etl = self.etls.get(value.get("id", ""))
+        etl = self._offline_etl(h, bucket, value)
         if etl is None:
-            return h.error(404, f"etl job {value.get('id')!r} does not exist")
-        if bucket not in self.buckets:
-            return h.error(404, f"bucket \"ais://{bucket}\" does not exist")
-        if self.pod_url is None or etl.message["communication"] != "hpush://":
-            return h.error(501, "this fake target runs offline transforms of hpush:// ETLs only")
+            return None
         names = [name for name in self.objects(bucket) if name.startswith(value.get("prefix", ""))]
         h.reply(200, self._offline(etl, bucket, to.split("/")[2], names, value, "etl-bck").encode())
 
@@ -270,19 +266,40 @@ class FakeProxy(EtlRoutes, DsortRoutes):
         to = value.get("tobck")
         if not isinstance(to, dict) or to.get("provider") != "ais" or not to.get("name"):
             raise ContractViolation(f"tobck {to!r} is not an ais bucket")
-        etl = self.etls.get(value.get("id", ""))
+        etl = self._offline_etl(h, bucket, value)
         if etl is None:
-            return h.error(404, f"etl job {value.get('id')!r} does not exist")
-        if bucket not in self.buckets:
-            return h.error(404, f"bucket \"ais://{bucket}\" does not exist")
-        if self.pod_url is None or etl.message["communication"] != "hpush://":
-            return h.error(501, "this fake target runs offline transforms of hpush:// ETLs only")
+            return None
         if "template" in value:
             existing = set(self.objects(bucket))
             names = [name for name in braceexpand(no_step(value["template"])) if name in existing]
         else:
             names = list(value["objnames"])
         h.reply(200, self._offline(etl, bucket, to["name"], names, value, "etl-listrange").encode())
+
+    def _call_pod(self, method: str, target: str) -> tuple[int, bytes]:
+        """One empty-bodied request to the pod, as a target makes it: the status and the whole reply."""
+        pod = urlsplit(self.pod_url)
+        conn = http.client.HTTPConnection(pod.hostname, pod.port, timeout=60)
+        try:
+            conn.request(method, target, body=b"", headers={"Content-Length": "0"})
+            response = conn.getresponse()
+            return response.status, response.read()
+        finally:
+            conn.close()
+
+    def _offline_etl(self, h: Any, bucket: str, value: dict[str, Any]) -> FakeEtl | None:
+        """The ETL an offline transform of ``bucket`` names, or None once answered with AIS's error for a
+        missing ETL or bucket (and this fake's own 501 for an ETL it cannot run offline)."""
+        etl = self.etls.get(value.get("id", ""))
+        if etl is None:
+            h.error(404, f"etl job {value.get('id')!r} does not exist")
+        elif bucket not in self.buckets:
+            h.error(404, f"bucket \"ais://{bucket}\" does not exist")
+        elif self.pod_url is None or etl.message["communication"] != "hpush://":
+            h.error(501, "this fake target runs offline transforms of hpush:// ETLs only")
+        else:
+            return etl
+        return None
 
     def _offline(self, etl: FakeEtl, bucket: str, destination: str, names: list[str], value: dict[str, Any],
                  kind: str) -> str:
@@ -293,25 +310,20 @@ class FakeProxy(EtlRoutes, DsortRoutes):
         job = f"{kind}-" + uuid.uuid4().hex[:8]
         errors: list[dict[str, Any]] = []
         aborted = False
-        pod = urlsplit(self.pod_url)
         for name in names:
             if not self.fqn(bucket, name).is_file():
                 errors.append({"obj_name": f"ais://{bucket}/{name}", "msg": "object not found", "ecode": 404})
                 continue
             query = urlencode([("etl_fqn", go_path_escape(str(self.fqn(bucket, name))))])
-            conn = http.client.HTTPConnection(pod.hostname, pod.port, timeout=60)
-            conn.request("PUT", f"/{quote(bucket)}/{quote(name)}?{query}", body=b"", headers={"Content-Length": "0"})
-            response = conn.getresponse()
-            body = response.read()
-            conn.close()
-            if response.status == 200:
+            status, body = self._call_pod("PUT", f"/{quote(bucket)}/{quote(name)}?{query}")
+            if status == 200:
                 stem, dot, ext = name.rpartition(".")
                 mapped = (value.get("ext") or {}).get(ext)
                 self._store(destination, value.get("prepend", "") + (f"{stem}.{mapped.lstrip('.')}" if dot and mapped
                                                                       else name), body, name)
                 continue
             errors.append({"obj_name": f"ais://{bucket}/{name}",
-                           "msg": f"ETL error: {body.decode('utf-8', 'replace')}", "ecode": response.status})
+                           "msg": f"ETL error: {body.decode('utf-8', 'replace')}", "ecode": status})
             if not value.get("coer"):
                 aborted = True
                 break
@@ -369,20 +381,15 @@ class FakeProxy(EtlRoutes, DsortRoutes):
         bucket = body["bucket"]["name"]
         self.buckets.add(bucket)
         errors = []
-        pod = urlsplit(self.pod_url)
         for name, link in objects.items():
             query = [("original_url", link), ("object_to", name)]
             if body.get("etl_args"):
                 query.append(("etl_args", body["etl_args"]))
-            conn = http.client.HTTPConnection(pod.hostname, pod.port, timeout=60)
-            conn.request("POST", f"/download?{urlencode(query)}", body=b"", headers={"Content-Length": "0"})
-            response = conn.getresponse()
-            data = response.read()
-            conn.close()
-            if response.status == 200:
+            status, data = self._call_pod("POST", f"/download?{urlencode(query)}")
+            if status == 200:
                 self._store(bucket, name, data, name)
             else:
-                errors.append({"name": name, "error": f"ETL pod returned error status: {response.status}"})
+                errors.append({"name": name, "error": f"ETL pod returned error status: {status}"})
         job = "dnl-" + uuid.uuid4().hex[:8]
         self.downloads[job] = {"id": job, "finished_time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                "aborted": False, "total": len(objects), "finished_cnt": len(objects) - len(errors),

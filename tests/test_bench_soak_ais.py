@@ -15,22 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from bench import soak_plan as plan
 from bench.soak_ais import Soak
-from bench.soak_plan import (
-    Bounds,
-    Gate,
-    Kill,
-    Kind,
-    OfflineCopy,
-    Options,
-    Read,
-    add_arguments,
-    digest,
-    etl_down,
-    options_from,
-    process_tree,
-    still_alive,
-)
 from bench.soak_report import build_report, load_report, main, markdown, write_report
 from bench.soak_watch import HealthProber, Probe, StageWatch
 from testbed.httpserve import StaticServer
@@ -48,7 +34,7 @@ def _shard(samples: int, start: int = 0) -> bytes:
 
 
 def _digests(data: bytes) -> list[bytes]:
-    return [digest(sample) for sample in shard_samples(io.BytesIO(data), "reference")]
+    return [plan.digest(sample) for sample in shard_samples(io.BytesIO(data), "reference")]
 
 
 @pytest.fixture
@@ -65,9 +51,9 @@ def server():
     origin.close()
 
 
-def _soak(tmp_path, origin, path: str, reference: list[bytes], refused: bool = False) -> tuple[Soak, Kind]:
-    soak = Soak(None, None, Options(comms=("hpush",), patience=0.0), tmp_path)
-    kind = Kind("good.tar@0", "good.tar", {"seed": 1}, refused=refused)
+def _soak(tmp_path, origin, path: str, reference: list[bytes], refused: bool = False) -> tuple[Soak, plan.Kind]:
+    soak = Soak(None, None, plan.Options(comms=("hpush",), patience=0.0), tmp_path)
+    kind = plan.Kind("good.tar@0", "good.tar", {"seed": 1}, refused=refused)
     soak.urls[("hpush", kind.name)] = origin.url + path
     soak.references[kind.name] = reference
     return soak, kind
@@ -117,11 +103,11 @@ def _error(status: int | None, body: str) -> ShardFetchError:
     (503, "busy", True),
 ])
 def test_what_aisnode_answers_while_the_etl_is_down_is_told_from_a_refusal(status, body, down) -> None:
-    assert etl_down(_error(status, body), "soak-hpush") is down
+    assert plan.etl_down(_error(status, body), "soak-hpush") is down
 
 
 def test_the_gate_holds_until_every_item_ends_and_stop_releases_every_wait() -> None:
-    gate, ended = Gate(), []
+    gate, ended = plan.Gate(), []
 
     def item() -> None:
         with gate.item() as going:
@@ -177,15 +163,15 @@ T0 = 1000.0
 
 def _fake_soak(**changes) -> SimpleNamespace:
     """A soak that went well: 20 whole reads, a kill recovered, two quiet idle readings of every process."""
-    options = Options(comms=("hpush",), warm_up=10, quiet_every=60)
-    reads = [Read("hpush", "plain", "good-000.tar@0", T0 + i, T0 + i + 0.5, expected=4, delivered=4, opens=1)
+    options = plan.Options(comms=("hpush",), warm_up=10, quiet_every=60)
+    reads = [plan.Read("hpush", "plain", "good-000.tar@0", T0 + i, T0 + i + 0.5, expected=4, delivered=4, opens=1)
              for i in range(20)]
     idle = {"rss": 100 * 2**20, "threads": 10, "fds": 20, "sockets": 8}
     processes = ["proxy", "target1", "target2", "soak-hpush-t1@7"]
     soak = SimpleNamespace(
         options=options, etls={"hpush": "soak-hpush"}, offline_etl="soak-hpush", t0=T0, reads=reads,
-        copies=[OfflineCopy(T0 + 1, T0 + 5, job="j", outcome="success", whole=2)],
-        kills=[Kill("soak-hpush", "soak-hpush-t1", T0 + 30, aborted_s=3, pods_gone_s=3, running_s=20)],
+        copies=[plan.OfflineCopy(T0 + 1, T0 + 5, job="j", outcome="success", whole=2)],
+        kills=[plan.Kill("soak-hpush", "soak-hpush-t1", T0 + 30, aborted_s=3, pods_gone_s=3, running_s=20)],
         quiet=[{"t": T0 + t, "label": label, "drained": True, "hold_s": 0.1,
                 "processes": {p: dict(idle) for p in processes}} for t, label in ((12, "warm-up"), (80, "end"))],
         sampler=SimpleNamespace(samples=[{"t": T0 + t, "id": p, **idle} for t in (0, 12, 80) for p in processes],
@@ -237,7 +223,7 @@ def _worse(soak: SimpleNamespace, what: str) -> list[Probe]:
     elif what == "health failure":
         return [*_probes(), Probe(T0 + 90, T0 + 90.1, "soak-hpush-t1", False, "ConnectionRefusedError")]
     elif what in ("rss", "threads", "fds"):
-        grown = {"rss": 60 * 2**20, "threads": Bounds().thread_slack + 1, "fds": Bounds().fd_slack + 1}[what]
+        grown = {"rss": 60 * 2**20, "threads": plan.Bounds().thread_slack + 1, "fds": plan.Bounds().fd_slack + 1}[what]
         soak.quiet[-1]["processes"]["target2"][what] += grown
     elif what == "drain":
         soak.quiet[-1]["drained"] = False
@@ -273,7 +259,7 @@ def test_an_offline_copy_aborted_by_the_kill_of_another_etl_is_not_an_error_whil
     """AIS aborts every offline ETL job when any ETL stops: a copy through a healthy ETL fails then."""
     soak = _fake_soak(etls={"hpush": "soak-hpush", "ws": "soak-ws"})
     soak.kills[0].etl = "soak-ws"
-    soak.copies.append(OfflineCopy(T0 + 31, T0 + 33, job="k", outcome="failed", error="IC(notifications) abort",
+    soak.copies.append(plan.OfflineCopy(T0 + 31, T0 + 33, job="k", outcome="failed", error="IC(notifications) abort",
                                    missing=["good-000.tar"]))
     report = build_report(soak, _probes(), (1.0, 1.0, 1.0))
     assert report["passed"], report["criteria"]
@@ -312,13 +298,13 @@ def test_a_killed_pods_processes_are_counted_until_they_are_gone() -> None:
     """``--kill server``'s check: the processes of the pod still alive at the deadline, or 0 as soon as none is."""
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        tree = process_tree(sleeper.pid)
+        tree = plan.process_tree(sleeper.pid)
         assert [p.pid for p in tree] == [sleeper.pid]
-        assert still_alive(tree, time.monotonic() + 0.5) == 1
+        assert plan.still_alive(tree, time.monotonic() + 0.5) == 1
         sleeper.kill()
         sleeper.wait()
         started = time.monotonic()
-        assert still_alive(tree, started + 10) == 0 and time.monotonic() - started < 1
+        assert plan.still_alive(tree, started + 10) == 0 and time.monotonic() - started < 1
     finally:
         sleeper.kill()
         sleeper.wait()
@@ -326,7 +312,7 @@ def test_a_killed_pods_processes_are_counted_until_they_are_gone() -> None:
 
 def test_the_kill_and_design_options_reach_the_soak() -> None:
     parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    options = options_from(parser.parse_args(["--processes", "2", "--kill", "server", "--duration", "60"]))
+    plan.add_arguments(parser)
+    options = plan.options_from(parser.parse_args(["--processes", "2", "--kill", "server", "--duration", "60"]))
     assert (options.processes, options.kill) == (2, "server")
-    assert (Options().processes, Options().kill) == (0, "pod")
+    assert (plan.Options().processes, plan.Options().kill) == (0, "pod")

@@ -145,6 +145,47 @@ def test_every_bench_command_names_a_module() -> None:
     assert missing == []
 
 
+# The packages docs/development.md's Layout maps module by module.
+MAPPED_ROOMS = ("transformer", "transformer/server", "transformer/client", "bench", "bench/gpu", "testbed",
+                "testbed/k8s", "scripts")
+ROOM = re.compile(r"^( *)([\w.-]+(?:/[\w.-]+)*/)(?:\s|$)")
+
+
+def layout_rooms(text: str) -> dict[str, set[str]]:
+    """development.md's Layout block: each room (a folder heading a line, a subfolder indented under it) and the
+    module file names its lines give."""
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    rooms: dict[str, set[str]] = {}
+    current = top = None
+    for line in block.splitlines():
+        heading = ROOM.match(line)
+        if heading:
+            name = heading.group(2).rstrip("/")
+            current = name if not heading.group(1) else f"{top}/{name}"
+            top = name if not heading.group(1) else top
+            line = line[heading.end():]
+        elif line and not line.startswith(" "):
+            current = None
+        if current:
+            rooms.setdefault(current, set()).update(re.findall(r"\b[\w]+\.py\b", line))
+    return rooms
+
+
+def unmapped(rooms: dict[str, set[str]]) -> list[str]:
+    """Each module of a mapped room the map leaves out, and each name it gives that is no module there."""
+    problems = []
+    for room in MAPPED_ROOMS:
+        modules = {p.name for p in (REPO / room).glob("*.py") if p.name not in ("__init__.py", "__main__.py")}
+        named = rooms.get(room, set())
+        problems += [f"{room}/{name}: not in the map" for name in sorted(modules - named)]
+        problems += [f"{room}/{name}: in the map, not in the tree" for name in sorted(named - modules)]
+    return problems
+
+
+def test_the_development_layout_names_every_module_in_its_room() -> None:
+    assert unmapped(layout_rooms((REPO / "docs" / "development.md").read_text())) == []
+
+
 def test_the_checks_catch_what_they_are_for(tmp_path: Path) -> None:
     """A check that never fails checks nothing: each one, fed a broken reference, reports it."""
     assert slug("Partial JPEG decoding (`crop_decode`)") == "partial-jpeg-decoding-crop_decode"
@@ -164,3 +205,8 @@ def test_the_checks_catch_what_they_are_for(tmp_path: Path) -> None:
     assert docs_named_in(source) == {"docs/missing.md", "docs/contract.md"}
     assert bench_modules_missing("python -m bench.run --smoke; `python -m bench.nothing`; "
                                  "python3 -m bench.experiments.ab python -m bench.experiments") == ["bench.nothing"]
+    layout = "## Layout\n\n```\ntransformer/    core\n  config.py  settings  stale.py  gone\nbench/    x\n```\n"
+    problems = unmapped(layout_rooms(layout))
+    assert "transformer/stale.py: in the map, not in the tree" in problems
+    assert "transformer/engine.py: not in the map" in problems and "bench/run.py: not in the map" in problems
+    assert "transformer/config.py: not in the map" not in problems

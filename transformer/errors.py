@@ -15,29 +15,33 @@ class TransformerError(Exception):
 
     status = 500
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, **context: object):
+        """``context``: the named parts of the message (shard, key, member, reason, ...), kept as attributes."""
         super().__init__(message)
         self.message = message
+        for name, value in context.items():
+            setattr(self, name, value)
 
 
 class ConfigError(TransformerError):
     """A service setting (environment variable) is invalid; raised at start-up."""
 
+    variable: str
+    reason: str
+
     def __init__(self, variable: str, reason: str):
-        super().__init__(f"invalid setting {variable}: {reason}")
-        self.variable = variable
-        self.reason = reason
+        super().__init__(f"invalid setting {variable}: {reason}", variable=variable, reason=reason)
 
 
 class OptionsError(TransformerError):
     """A per-request option (``etl_args`` or a transform spec) is invalid."""
 
+    field: str
+    reason: str
     status = 400
 
     def __init__(self, field: str, reason: str):
-        super().__init__(f"invalid etl_args field '{field}': {reason}")
-        self.field = field
-        self.reason = reason
+        super().__init__(f"invalid etl_args field '{field}': {reason}", field=field, reason=reason)
 
 
 class SampleTransformError(TransformerError):
@@ -45,25 +49,26 @@ class SampleTransformError(TransformerError):
     step, a member name taken twice): the only failure the error policy decides on. Every other exception
     met while transforming a sample is the pod's own and fails the shard (``engine``)."""
 
+    shard: str
+    key: str
+    member: str
+    reason: str
     status = 422
 
     def __init__(self, shard: str, key: str, member: str, reason: str):
-        super().__init__(f"shard '{shard}': sample '{key}' (member '{member}'): {reason}")
-        self.shard = shard
-        self.key = key
-        self.member = member
-        self.reason = reason
+        super().__init__(f"shard '{shard}': sample '{key}' (member '{member}'): {reason}", shard=shard, key=key,
+                         member=member, reason=reason)
 
 
 class ShardError(TransformerError):
     """The shard itself is unreadable (not a tar, truncated, a member over the size limit)."""
 
+    shard: str
+    reason: str
     status = 422
 
     def __init__(self, shard: str, reason: str):
-        super().__init__(f"shard '{shard}': {reason}")
-        self.shard = shard
-        self.reason = reason
+        super().__init__(f"shard '{shard}': {reason}", shard=shard, reason=reason)
 
 
 class IncompleteShard(ShardError):

@@ -141,27 +141,38 @@ def overwrite_check(batch: int, planted: bool, count: int = 8, sleep_ms: float =
     source = [(torch.full((batch, 3, SIZE, SIZE), 10 + 20 * i, dtype=torch.uint8).pin_memory(),
                torch.arange(batch).pin_memory()) for i in range(count)]
     expected = [float(images.double().sum()) for images, _ in CudaPrefetcher(source, device="cpu")]
+    original = prefetch._tensors
+    if planted:
+        prefetch._tensors = lambda batch: iter(())  # no tensor gets record_stream(consumer)
+    try:
+        got = read_late(source, sleep_ms)
+    finally:
+        prefetch._tensors = original
+        torch.cuda.synchronize()
+    wrong = sum(abs(a - b) > 1e-6 * abs(b) for a, b in zip(got, expected))
+    return {"batches": count, "sleep_ms": sleep_ms, "wrong_batches": wrong, "intact": wrong == 0}
+
+
+def read_late(batches: list, sleep_ms: float) -> list[float]:
+    """Each batch's sum, read on the consumer stream behind a kernel that keeps it busy ``sleep_ms``, the batch
+    let go before the read ran: later copies land meanwhile, so one whose memory they reused sums wrong
+    (``tests/client/test_prefetch.py`` reads its batches the same way)."""
+    import torch
+
+    from transformer.client import CudaPrefetcher
+
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     torch.cuda._sleep(10_000_000)
     end.record()
     torch.cuda.synchronize()
     cycles = int(10_000_000 * sleep_ms / max(start.elapsed_time(end), 1e-3))
-    original = prefetch._tensors
-    if planted:
-        prefetch._tensors = lambda batch: iter(())  # no tensor gets record_stream(consumer)
-    try:
-        sums = []
-        for images, _ in CudaPrefetcher(source, device="cuda", depth=2):
-            torch.cuda._sleep(cycles)  # the step is busy; the side stream copies on meanwhile
-            sums.append(images.double().sum())  # queued behind the kernel: reads the batch late
-            del images  # the step lets go of the batch before its read ran
-        got = [float(s) for s in sums]
-    finally:
-        prefetch._tensors = original
-        torch.cuda.synchronize()
-    wrong = sum(abs(a - b) > 1e-6 * abs(b) for a, b in zip(got, expected))
-    return {"batches": count, "sleep_ms": sleep_ms, "wrong_batches": wrong, "intact": wrong == 0}
+    sums = []
+    for images, _ in CudaPrefetcher(batches, device="cuda", depth=2):
+        torch.cuda._sleep(cycles)  # the step is busy; the side stream copies on meanwhile
+        sums.append(images.double().sum())  # queued behind the kernel: reads the batch late
+        del images  # the step lets go of the batch before its read ran
+    return [float(total) for total in sums]  # the one synchronization, at the end
 
 
 def overlap(dtype: str, limit_s: float, work: Path) -> dict:

@@ -68,6 +68,19 @@ def service(mountpath: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     server.stop()
 
 
+def registered_pod(name: str, environment: dict[str, str],
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Service, Path]]:
+    """The pod AIS would start for an ETL registered with ``environment``: that is all it knows. Yields it and the
+    mountpath it reads ``etl_fqn`` under."""
+    from testbed.service import base_env, start_transformer
+
+    mountpath = tmp_path_factory.mktemp(f"{name}-mountpath")
+    env = base_env(**environment, ETL_FQN_ROOTS=str(mountpath), ETL_WORKERS="2", ETL_LOG_LEVEL="warning")
+    service = start_transformer(name, tmp_path_factory.mktemp(f"{name}-logs"), env)
+    yield service, mountpath
+    service.stop()
+
+
 @pytest.fixture
 def proxy(tmp_path: Path) -> Iterator[FakeProxy]:
     with FakeProxy(tmp_path / "mountpath") as fake:

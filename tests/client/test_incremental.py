@@ -24,7 +24,7 @@ from transformer.client.whole_copy import read_tail, source_names
 from transformer.integrity import marker_from_tail
 from transformer.wire import END_OF_ARCHIVE
 
-from .conftest import labelled_shard
+from .conftest import labelled_shard, registered_pod
 
 if TYPE_CHECKING:
     from testbed.service import Service
@@ -39,13 +39,7 @@ SHARDS = [f"val/shard-{i}.tar" for i in range(6)]
 @pytest.fixture(scope="module")
 def sync_pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Service, Path]]:
     """The pod AIS would start for the ETL: its registered environment is all it knows."""
-    from testbed.service import base_env, start_transformer
-
-    mountpath = tmp_path_factory.mktemp("sync-mountpath")
-    env = base_env(**ETL.environment(), ETL_FQN_ROOTS=str(mountpath), ETL_WORKERS="2", ETL_LOG_LEVEL="warning")
-    service = start_transformer("sync-pod", tmp_path_factory.mktemp("sync-logs"), env)
-    yield service, mountpath
-    service.stop()
+    yield from registered_pod("sync-pod", ETL.environment(), tmp_path_factory)
 
 
 @pytest.fixture

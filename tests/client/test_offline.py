@@ -31,7 +31,7 @@ from transformer.client.download import wait_download
 from transformer.client.jobs import object_errors
 from transformer.client.offline import wait_transform
 
-from .conftest import labelled_shard
+from .conftest import labelled_shard, registered_pod
 
 if TYPE_CHECKING:
     from testbed.service import Service
@@ -45,13 +45,7 @@ VAL_OPTIONS = {"transforms": [{"Resize": {"size": [16, 16]}}], "dtype": "uint8",
 @pytest.fixture(scope="module")
 def val_pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Service, Path]]:
     """The pod AIS would start for the VAL ETL: the registered environment is all it knows."""
-    from testbed.service import base_env, start_transformer
-
-    mountpath = tmp_path_factory.mktemp("offline-mountpath")
-    env = base_env(**VAL.environment(), ETL_FQN_ROOTS=str(mountpath), ETL_WORKERS="2", ETL_LOG_LEVEL="warning")
-    service = start_transformer("offline-val-pod", tmp_path_factory.mktemp("offline-logs"), env)
-    yield service, mountpath
-    service.stop()
+    yield from registered_pod("offline-val-pod", VAL.environment(), tmp_path_factory)
 
 
 @pytest.fixture

@@ -121,20 +121,10 @@ def test_cuda_matches_the_cpu_reference(depth: int) -> None:
 
 
 def read_late(batches: list, sleep_ms: float = 30.0) -> list[float]:
-    """Each batch's sum, read on the consumer stream behind a kernel that keeps it busy, the batch let go
-    before the read ran: later copies land meanwhile, so one whose memory they reused sums wrong."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(1_000_000)
-    end.record()
-    torch.cuda.synchronize()
-    cycles = int(1_000_000 * sleep_ms / max(start.elapsed_time(end), 1e-3))
-    sums = []
-    for images, _ in CudaPrefetcher(batches, device="cuda", depth=2):
-        torch.cuda._sleep(cycles)
-        sums.append(images.double().sum())
-        del images
-    return [float(total) for total in sums]  # the one synchronization, at the end
+    """Each batch's sum, read late on the consumer stream (``bench.gpu.checks.read_late``, the device check's way)."""
+    from bench.gpu.checks import read_late as device_read_late
+
+    return device_read_late(batches, sleep_ms)
 
 
 def filled_batches(count: int = 8, size: int = 32) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -103,10 +103,14 @@ def impatient(target: FakeTarget, disk: AisDisk, logs: Path) -> Iterator[Service
     server.stop()
 
 
-@pytest.fixture(scope="session")
-def client(service: Service) -> Iterator[httpx.Client]:
+def _http(service: Service) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=service.url, timeout=httpx.Timeout(60.0, connect=5.0)) as http:
         yield http
+
+
+@pytest.fixture(scope="session")
+def client(service: Service) -> Iterator[httpx.Client]:
+    yield from _http(service)
 
 
 @pytest.fixture(scope="session")
@@ -120,5 +124,4 @@ def reference(target: FakeTarget, logs: Path) -> Iterator[Service]:
 
 @pytest.fixture(scope="session")
 def ref_client(reference: Service) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=reference.url, timeout=httpx.Timeout(60.0, connect=5.0)) as http:
-        yield http
+    yield from _http(reference)

@@ -72,14 +72,7 @@ def checked_options(client: Client, etl_name: str, options: Mapping[str, Any]) -
     if "preset" not in options and "transforms" not in options:
         raise ValueError("offline options: say which pipeline the copy is made with (preset or transforms)")
     etl_args(**dict(options))  # the same value checks as for etl_args
-    with ais_errors(etl_name, "offline transform"):
-        message = registered_message(client.etl(validate_name(etl_name)))
-    if message is None:
-        raise ClientError(f"ETL '{etl_name}' is not registered; register it with the copy's options as its settings")
-    runtime = message.get("runtime")
-    runtime = runtime if isinstance(runtime, dict) else {}
-    environment = {e["name"]: e["value"] for e in (runtime.get("env") or []) + (message.get("env") or [])}
-    used = effective_options(environment)
+    used, message = _registered(client, etl_name, "; register it with the copy's options as its settings")
     differences: dict[str, tuple[object, object]] = {}
     wanted_pipeline = (("transforms", _spec(options["transforms"])) if "transforms" in options
                        else ("preset", options["preset"]))
@@ -101,14 +94,21 @@ def checked_options(client: Client, etl_name: str, options: Mapping[str, Any]) -
 
 def registered_options(client: Client, etl_name: str) -> dict[str, Any]:
     """The ETL's settings as ``transform_bucket``'s ``options``: what it transforms offline jobs with."""
+    used, _ = _registered(client, etl_name)
+    return {key: value for key, value in used.items() if value is not None}
+
+
+def _registered(client: Client, etl_name: str, hint: str = "") -> tuple[dict[str, Any], dict]:
+    """The ETL's settings as its pod reads them (the runtime's environment, then the message's), and its
+    registered message; ``ClientError`` (with ``hint``) when it is not registered."""
     with ais_errors(etl_name, "offline transform"):
         message = registered_message(client.etl(validate_name(etl_name)))
     if message is None:
-        raise ClientError(f"ETL '{etl_name}' is not registered")
+        raise ClientError(f"ETL '{etl_name}' is not registered{hint}")
     runtime = message.get("runtime")
     runtime = runtime if isinstance(runtime, dict) else {}
-    used = effective_options({e["name"]: e["value"] for e in (runtime.get("env") or []) + (message.get("env") or [])})
-    return {key: value for key, value in used.items() if value is not None}
+    environment = {e["name"]: e["value"] for e in (runtime.get("env") or []) + (message.get("env") or [])}
+    return effective_options(environment), message
 
 
 def writes_end_marker(client: Client, first: dict, stage: str) -> bool:

@@ -77,11 +77,7 @@ def etl_cluster(aisnode: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
             cluster = start_etl_cluster(aisnode, tmp_path_factory.mktemp("ais-etl"))
         except (AisnodeUnavailable, PodRuntimeUnavailable) as exc:
             pytest.fail(str(exc), pytrace=False)
-        try:
-            yield cluster
-        finally:
-            forced = cluster.stop()
-        assert not forced, "the cluster did not end by itself:\n" + "\n".join(forced)
+        yield from _until_it_ends_by_itself(cluster)
         running = [node.role for node in cluster.nodes() if node.process.poll() is None]
         pods = [pod.name for pod in cluster.kube.running_pods()] + cluster.kube.runtime.leftovers()
         assert not running and not pods, f"left running: aisnode {running}, pods {pods}"
@@ -98,6 +94,15 @@ def etl_cluster(aisnode: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
             userns.stuck_in.append(str(exc))
 
 
+def _until_it_ends_by_itself(cluster: AisCluster) -> Iterator[AisCluster]:
+    """Yields ``cluster`` to the tests, then stops it: it must end without a process or pod forced down."""
+    try:
+        yield cluster
+    finally:
+        forced = cluster.stop()
+    assert not forced, "the cluster did not end by itself:\n" + "\n".join(forced)
+
+
 def _on_real_kubernetes(aisnode: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AisCluster]:
     """The cluster users run (``testbed/k8s/``): two Kubernetes nodes, AIS's proxy and targets as pods, each
     target's ETL pods scheduled on its node by AIS's node affinity and run by that node's kubelet from the image
@@ -110,11 +115,7 @@ def _on_real_kubernetes(aisnode: Path, tmp_path_factory: pytest.TempPathFactory)
         cluster = start_ais_cluster(root, log=lambda message: print(message, flush=True))
     except (KubernetesUnavailable, AisnodeUnavailable) as exc:
         pytest.fail(str(exc), pytrace=False)
-    try:
-        yield cluster
-    finally:
-        forced = cluster.stop()
-    assert not forced, "the cluster did not end by itself:\n" + "\n".join(forced)
+    yield from _until_it_ends_by_itself(cluster)
     seen = [(pod.name, pod.user) for pod in cluster.kube.started if pod.user is not None]  # None: ended unseen
     other = [(name, user) for name, user in seen if user != (10001, 0)]
     assert seen and not other, f"ETL pods not run as the image's user 10001:0: {other}"
