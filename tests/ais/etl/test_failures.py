@@ -214,7 +214,8 @@ def test_pod_killed_mid_shard_is_an_error_for_the_reader_and_aborts_the_etl(etl_
 
 
 @pytest.mark.parametrize(("env", "reason"), [
-    ({"ETL_WORKERS": "zero"}, "wds-transform serve: invalid setting ETL_WORKERS: 'zero' is not an integer"),
+    ({"ETL_MAX_IMAGE_PIXELS": "many"},
+     "wds-transform serve: invalid setting ETL_MAX_IMAGE_PIXELS: 'many' is not an integer"),
     ({"AIS_CRT": "/nonexistent/client.crt", "AIS_CRT_KEY": "/nonexistent/client.key"}, "AIS_CRT"),
 ], ids=["bad-setting", "unreadable-certificate"])
 def test_pod_that_will_not_start_says_why_and_can_be_registered_again(etl_client, etl_cluster: EtlCluster,
