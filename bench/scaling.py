@@ -38,7 +38,6 @@ import contextlib
 import json
 import logging
 import math
-import platform
 import shutil
 import statistics
 import subprocess
@@ -52,7 +51,7 @@ from pathlib import Path
 
 import psutil
 
-from bench.stamp import cpu_name, git_state
+from bench.stamp import git_state, machine
 
 from . import data
 from .scaling_report import _num, _pct, markdown, plot
@@ -489,8 +488,7 @@ def report(args: argparse.Namespace, inflight: list[Case] | None = None, comms: 
         "command": "python -m bench.scaling " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "commit": git_state()["git"],
-        "machine": {"cpus": psutil.cpu_count(), "cpu": cpu_name(), "python": platform.python_version(),
-                    "load_average": list(psutil.getloadavg())},
+        "machine": machine(),
         "shards": {"count": args.shards, "samples": args.samples, "image_bytes": image_bytes},
         "target_ceiling": TARGET_CEILING,
         "inflight": [c.summary() for c in inflight],

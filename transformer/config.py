@@ -159,6 +159,10 @@ class _Reader:
             raise ConfigError(name, f"must be at least {minimum}")
         return value
 
+    def extensions(self, name: str) -> frozenset[str]:
+        """A comma-separated list of file extensions, lower case, without leading dots."""
+        return frozenset(e.strip().lower().lstrip(".") for e in self.text(name).split(",") if e.strip())
+
     def choice(self, name: str, allowed: tuple[str, ...]) -> str:
         raw = self.text(name)
         if raw not in allowed:
@@ -238,12 +242,10 @@ class Settings:
         seed = read.integer("ETL_SEED", -(2**63)) if read.text("ETL_SEED") else None
         workers, processes = cores(env)
         window = 2 * workers + 2  # a shard's samples run on every thread, in worker processes too (server/spread.py)
-        image_exts = frozenset(e.strip().lower().lstrip(".") for e in read.text("ETL_IMAGE_EXTS").split(",")
-                               if e.strip())
+        image_exts = read.extensions("ETL_IMAGE_EXTS")
         if not image_exts:
             raise ConfigError("ETL_IMAGE_EXTS", "needs at least one extension")
-        mask_exts = frozenset(e.strip().lower().lstrip(".") for e in read.text("ETL_MASK_EXTS").split(",")
-                              if e.strip())
+        mask_exts = read.extensions("ETL_MASK_EXTS")
         for ext in mask_exts:
             if ext.rsplit(".", 1)[-1] not in image_exts:
                 raise ConfigError("ETL_MASK_EXTS", f"'{ext}' does not end in an image extension of ETL_IMAGE_EXTS")

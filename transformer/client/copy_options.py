@@ -24,8 +24,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("transformer.client")
 
-_ENV = {"preset": "ETL_PRESET", "transforms": "ETL_TRANSFORMS", "dtype": "ETL_DTYPE", "layout": "ETL_LAYOUT",
-        "seed": "ETL_SEED", "on_error": "ETL_ON_ERROR"}
 _DETERMINISTIC_PRESETS = ("imagenet-val",)
 
 

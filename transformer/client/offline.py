@@ -58,8 +58,6 @@ __all__ = ["JOB_KIND", "LIST_JOB_KIND", "OfflineJob", "check_offline_options", "
            "registered_options", "transform_bucket", "wait_job", "wait_transform"]
 
 
-
-
 @dataclass(frozen=True)
 class OfflineJob:
     """A bucket-to-bucket transform: its id, and once waited for, how it ended, the objects that failed
